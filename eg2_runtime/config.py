@@ -1,0 +1,222 @@
+"""Architecture configuration: frozen dataclasses built from a checkpoint's config.json.
+
+This is the only place that reads config.json. Field names follow the Hugging Face config where
+they exist there; derived values (per-layer head dims, kv heads, rope theta) are resolved here once
+so the modules never look at raw dicts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int = 262_144
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    num_layers: int = 24
+    num_heads: int = 4
+    layer_types: tuple[str, ...] = ()
+    # Per layer, resolved from `head_dim` / `num_key_value_heads` and `per_layer_config` overrides.
+    head_dims: tuple[int, ...] = ()
+    kv_heads: tuple[int, ...] = ()
+    rope_thetas: dict[str, float] = field(default_factory=dict)
+    sliding_window: int = 512  # a radius: |q - k| <= sliding_window
+    rms_norm_eps: float = 1e-6
+    ple_dim: int = 512  # hidden_size_per_layer_input
+    embedding_dim: int = 768
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    bos_token_id: int = 2
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TextConfig:
+        n = d.get("num_hidden_layers", 24)
+        layer_types = tuple(d.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
+        overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
+        head_dims = tuple(overrides.get(i, {}).get("head_dim", d.get("head_dim", 256)) for i in range(n))
+        kv_heads = tuple(
+            overrides.get(i, {}).get("num_key_value_heads", d.get("num_key_value_heads", 2)) for i in range(n)
+        )
+        rope = d.get("rope_parameters") or {
+            SLIDING: {"rope_theta": 10_000.0},
+            FULL: {"rope_theta": 1_000_000.0},
+        }
+        for kind, params in rope.items():
+            if params.get("rope_type", "default") != "default":
+                raise ValueError(f"text rope_type {params['rope_type']!r} for {kind} is not supported")
+        return cls(
+            vocab_size=d.get("vocab_size", 262_144),
+            hidden_size=d.get("hidden_size", 512),
+            intermediate_size=d.get("intermediate_size", 2048),
+            num_layers=n,
+            num_heads=d.get("num_attention_heads", 4),
+            layer_types=layer_types,
+            head_dims=head_dims,
+            kv_heads=kv_heads,
+            rope_thetas={k: float(v["rope_theta"]) for k, v in rope.items()},
+            sliding_window=d.get("sliding_window", 512),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            ple_dim=d.get("hidden_size_per_layer_input", 512),
+            embedding_dim=d.get("embedding_dim", 768),
+            pad_token_id=d.get("pad_token_id", 0),
+            eos_token_id=_first(d.get("eos_token_id", 1)),
+            bos_token_id=d.get("bos_token_id", 2),
+        )
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_layers: int = 16
+    num_heads: int = 12
+    num_kv_heads: int = 12
+    head_dim: int = 64
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    position_embedding_size: int = 10 * 1024
+    rope_theta: float = 100.0
+    rms_norm_eps: float = 1e-6
+    use_clipped_linears: bool = False
+    standardize: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VisionConfig:
+        rope = d.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 100.0}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision rope_type {rope['rope_type']!r} is not supported")
+        return cls(
+            hidden_size=d.get("hidden_size", 768),
+            intermediate_size=d.get("intermediate_size", 3072),
+            num_layers=d.get("num_hidden_layers", 16),
+            num_heads=d.get("num_attention_heads", 12),
+            num_kv_heads=d.get("num_key_value_heads", 12),
+            head_dim=d.get("head_dim", 64),
+            patch_size=d.get("patch_size", 16),
+            pooling_kernel_size=d.get("pooling_kernel_size", 3),
+            position_embedding_size=d.get("position_embedding_size", 10 * 1024),
+            rope_theta=float(rope.get("rope_theta", 100.0)),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            use_clipped_linears=d.get("use_clipped_linears", False),
+            standardize=d.get("standardize", False),
+        )
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    hidden_size: int = 1024
+    num_layers: int = 12
+    num_heads: int = 8
+    subsampling_conv_channels: tuple[int, int] = (128, 32)
+    conv_kernel_size: int = 5
+    residual_weight: float = 0.5
+    chunk_size: int = 12
+    context_left: int = 13
+    context_right: int = 0
+    logit_cap: float = 50.0
+    invalid_logits_value: float = -1.0e9
+    use_clipped_linears: bool = True
+    rms_norm_eps: float = 1e-6
+    gradient_clipping: float = 1e10
+    output_proj_dims: int = 1536
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AudioConfig:
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"audio hidden_act {d['hidden_act']!r} is not supported")
+        c0, c1 = d.get("subsampling_conv_channels", (128, 32))
+        return cls(
+            hidden_size=d.get("hidden_size", 1024),
+            num_layers=d.get("num_hidden_layers", 12),
+            num_heads=d.get("num_attention_heads", 8),
+            subsampling_conv_channels=(c0, c1),
+            conv_kernel_size=d.get("conv_kernel_size", 5),
+            residual_weight=d.get("residual_weight", 0.5),
+            chunk_size=d.get("attention_chunk_size", 12),
+            context_left=d.get("attention_context_left", 13),
+            context_right=d.get("attention_context_right", 0),
+            logit_cap=d.get("attention_logit_cap", 50.0),
+            invalid_logits_value=d.get("attention_invalid_logits_value", -1.0e9),
+            use_clipped_linears=d.get("use_clipped_linears", True),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            gradient_clipping=d.get("gradient_clipping", 1e10),
+            output_proj_dims=d.get("output_proj_dims", 1536),
+        )
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The `quantization_config` of a hybrid-w4 checkpoint (compressed-tensors pack-quantized)."""
+
+    num_bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> QuantConfig:
+        if d.get("quant_method") != "compressed-tensors" or d.get("format") != "pack-quantized":
+            raise ValueError(
+                "only compressed-tensors pack-quantized checkpoints are supported, got "
+                f"quant_method={d.get('quant_method')!r} format={d.get('format')!r}"
+            )
+        groups = list(d.get("config_groups", {}).values())
+        if len(groups) != 1:
+            raise ValueError(f"expected one quantization config group, got {len(groups)}")
+        w = groups[0]["weights"]
+        if (w.get("type"), w.get("strategy"), w.get("num_bits"), w.get("symmetric")) != ("int", "group", 4, True):
+            raise ValueError(f"only int4 group-wise symmetric weights are supported, got {w}")
+        return cls(num_bits=4, group_size=int(w["group_size"]), symmetric=True)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    text: TextConfig
+    vision: VisionConfig | None = None
+    audio: AudioConfig | None = None
+    boi_token_id: int = 255_999
+    eoi_token_id: int = 258_882
+    image_token_id: int = 258_880
+    video_token_id: int = 258_884
+    boa_token_id: int = 256_000
+    eoa_token_id: int = 258_883
+    audio_token_id: int = 258_881
+    quantization: QuantConfig | None = None
+    torch_dtype: str | None = None  # as stored in config.json ("bfloat16", "float32", ...)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        vision, audio = d.get("vision_config"), d.get("audio_config")
+        quant = d.get("quantization_config")
+        return cls(
+            text=TextConfig.from_dict(d.get("text_config") or {}),
+            vision=VisionConfig.from_dict(vision) if vision else None,
+            audio=AudioConfig.from_dict(audio) if audio else None,
+            boi_token_id=d.get("boi_token_id", 255_999),
+            eoi_token_id=d.get("eoi_token_id", 258_882),
+            image_token_id=d.get("image_token_id", 258_880),
+            video_token_id=d.get("video_token_id", 258_884),
+            boa_token_id=d.get("boa_token_id", 256_000),
+            eoa_token_id=d.get("eoa_token_index", 258_883),
+            audio_token_id=d.get("audio_token_id", 258_881),
+            quantization=QuantConfig.from_dict(quant) if quant else None,
+            torch_dtype=d.get("dtype") or d.get("torch_dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a model directory needs the Hugging Face config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def _first(value: int | list[int]) -> int:
+    return value[0] if isinstance(value, list) else value

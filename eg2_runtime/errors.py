@@ -1,0 +1,48 @@
+"""Domain errors of the runtime. The service maps each class to one HTTP status in one table
+(app/errors.py); the runtime itself knows nothing of HTTP.
+
+Every message is safe to show a client: it names the problem, never a path or a stack.
+"""
+
+from __future__ import annotations
+
+
+class EG2Error(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InputError(EG2Error):
+    """The client's input is unusable: malformed, undecodable, or not allowed."""
+
+
+class MediaDecodeError(InputError):
+    """A media payload could not be decoded (corrupt, truncated, unsupported format)."""
+
+
+class InputTooLargeError(InputError):
+    """Over a size limit: bytes, pixels, duration, frames, or number of items."""
+
+
+class InputTooLongError(InputError):
+    """Text over the token limit or audio over 30 s, with truncation turned off."""
+
+
+class ModalityNotLoadedError(InputError):
+    """The input needs a tower this engine did not load (e.g. an image on a text-only engine)."""
+
+
+class EngineError(EG2Error):
+    """The engine failed on a well-formed batch. Retrying later may succeed."""
+
+
+class EngineOutOfMemory(EngineError):
+    """The accelerator ran out of memory on this batch; a smaller batch may fit."""
+
+
+class CheckpointError(EG2Error):
+    """A checkpoint is missing, corrupt, or does not match the architecture."""

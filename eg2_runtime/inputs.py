@@ -1,0 +1,54 @@
+"""What a client asks to embed, before any decoding: plain data, no tensors.
+
+An `Item` is one embedding: an ordered tuple of parts (text and media, interleaved as the client
+sent them). The service builds Items from requests; `Engine.prepare` turns one into model inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MediaKind = Literal["image", "audio", "video"]
+Modality = Literal["text", "image", "audio", "video", "mixed"]
+
+
+@dataclass(frozen=True)
+class TextPart:
+    text: str
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    kind: MediaKind
+    data: bytes
+    # A hint only: a MIME subtype ("png", "mp4") or an audio format ("wav"). Decoders sniff the bytes.
+    format: str | None = None
+
+
+Part = TextPart | MediaPart
+
+
+@dataclass(frozen=True)
+class Item:
+    parts: tuple[Part, ...]
+
+    @property
+    def modality(self) -> Modality:
+        kinds = {"text" if isinstance(p, TextPart) else p.kind for p in self.parts}
+        if len(kinds) == 1:
+            return kinds.pop()  # type: ignore[return-value]
+        # Text beside a single kind of media batches with that media: the text adds a few tokens.
+        media = kinds - {"text"}
+        return media.pop() if len(media) == 1 else "mixed"  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    prompt: str | None = None  # a literal prefix, already resolved from a prompt name
+    truncate: bool = True  # cut over-long text / audio instead of refusing it
+    image_tokens: int = 280  # soft-token budget per image: 70, 140, 280, 560 or 1120
+
+
+IMAGE_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
+MATRYOSHKA_DIMS = (768, 512, 256, 128)
