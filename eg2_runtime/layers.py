@@ -1,0 +1,108 @@
+"""Leaf modules shared by the three towers: RMSNorm, rotary helpers, the gated MLP, the clippable
+linear wrapper.
+
+Module and parameter names match the Hugging Face checkpoint, so a state dict loads as stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Gemma RMSNorm: `x * (mean(x^2) + eps)^-0.5 * w`, computed in fp32 (w, not 1 + w).
+
+    `with_scale=False` is the parameter-free variant (v_norm, the multimodal embedders).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        # torch.pow rather than rsqrt: the reference does, and rsqrt rounds differently.
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.type_as(x)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` by angles whose cos/sin broadcast against it (the half-split convention)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (*positions.shape, head_dim) for 1-D RoPE.
+
+    Angles are computed in fp32 and then rounded to the compute dtype, as the reference does.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # (..., head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)). `linear` builds the three projections (plain or clippable)."""
+
+    def __init__(self, hidden: int, intermediate: int, linear: type[nn.Module] | None = None, **kw: object) -> None:
+        super().__init__()
+        make = linear or _plain_linear
+        self.gate_proj = make(hidden, intermediate, **kw)
+        self.up_proj = make(hidden, intermediate, **kw)
+        self.down_proj = make(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def _plain_linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class ClippableLinear(nn.Module):
+    """A bias-free Linear under `.linear`, optionally clamping its input and output.
+
+    The four scalar bounds are checkpoint buffers (audio tower); the vision tower stores none. The
+    inner `.linear` is what a hybrid-w4 checkpoint packs, so its name keeps the `.linear` suffix.
+    """
+
+    def __init__(self, in_features: int, out_features: int, clipped: bool = False) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=False)
+        self.clipped = clipped
+        if clipped:
+            self.input_min = nn.Buffer(torch.tensor(-float("inf")))
+            self.input_max = nn.Buffer(torch.tensor(float("inf")))
+            self.output_min = nn.Buffer(torch.tensor(-float("inf")))
+            self.output_max = nn.Buffer(torch.tensor(float("inf")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.clipped:
+            return self.linear(x)
+        x = torch.clamp(x, self.input_min, self.input_max)
+        return torch.clamp(self.linear(x), self.output_min, self.output_max)
+
+
+def key_padding_mask(valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool of valid keys -> (B, 1, T, T) bool attention mask for SDPA (True = attend).
+
+    Padding queries also see themselves: a row with no visible key would make SDPA return NaN, and a
+    NaN in a padding row poisons valid rows through 0 * NaN in the next layer. Valid rows are
+    unchanged, and padding rows are never read.
+    """
+    mask = valid[:, None, None, :].expand(-1, 1, valid.shape[1], -1)
+    eye = torch.eye(valid.shape[1], dtype=torch.bool, device=valid.device)
+    return mask | eye

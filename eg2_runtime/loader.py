@@ -1,0 +1,220 @@
+"""Load a checkpoint directory into an EG2Model: header scan, meta-device build, mmap load, report.
+
+What is packed is decided per layer from what is stored (a `<name>.weight_packed` tensor), never
+from layer types. A plain BF16 checkpoint loads as BF16, or packed at load time with `pack=True`.
+Tensors are read one at a time from the memory-mapped safetensors file and moved straight to the
+device, so no full copy of the weights is ever held in host RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from eg2_runtime.config import ModelConfig
+from eg2_runtime.errors import CheckpointError
+from eg2_runtime.model import ALL_MODALITIES, EG2Model
+from eg2_runtime.quant import PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
+                      "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LoadReport:
+    packed: dict[str, int] = field(default_factory=dict)  # tower -> packed Linear count
+    dense_tensors: int = 0
+    resident_bytes: int = 0  # weights on the device, as loaded
+    bf16_bytes: int = 0  # the same weights if every tensor were BF16
+    group_size: int | None = None
+
+    @property
+    def packed_total(self) -> int:
+        return sum(self.packed.values())
+
+    def summary(self) -> str:
+        towers = ", ".join(f"{t.removesuffix('_tower')} {n}" for t, n in self.packed.items())
+        return (
+            f"{self.packed_total} packed ({towers or 'none'}), {self.dense_tensors} dense tensors, "
+            f"{self.resident_bytes / MiB:.1f} MiB resident vs {self.bf16_bytes / MiB:.1f} MiB as BF16 "
+            f"({self.resident_bytes / max(self.bf16_bytes, 1):.3f}x)"
+        )
+
+
+def read_header(model_dir: Path) -> dict[str, StoredTensor]:
+    """Every stored tensor's file, dtype and shape, from the safetensors headers alone."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = [model_dir / "model.safetensors"]
+    stored: dict[str, StoredTensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"weights file {f.name} is missing from the model directory")
+        size = f.stat().st_size
+        try:
+            with f.open("rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > size - 8 or n > 100 * MiB:
+                    raise ValueError(f"header length {n} exceeds the file")
+                header = json.loads(fh.read(n))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{f.name} is not a valid safetensors file: {e}") from None
+        end = 0
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{f.name}: tensor {name} has unsupported dtype {meta['dtype']}")
+            stored[name] = StoredTensor(f, SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]))
+            end = max(end, meta["data_offsets"][1])
+        if 8 + n + end > size:
+            raise CheckpointError(
+                f"{f.name} is truncated: the header describes {8 + n + end} bytes, the file has {size}"
+            )
+    return stored
+
+
+def compute_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
+    """BF16 on CUDA, FP32 on CPU, unless asked otherwise; FP16 is refused (activations overflow)."""
+    if dtype == torch.float16:
+        raise ValueError("float16 is not supported for EmbeddingGemma 2: its activations overflow; use bfloat16")
+    if dtype is not None:
+        return dtype
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(
+    model_dir: str | Path,
+    device: str | torch.device = "auto",
+    modalities: frozenset[str] | set[str] = ALL_MODALITIES,
+    dtype: torch.dtype | None = None,
+    pack: bool = False,
+    group_size: int = 128,
+    unpack_hooks: bool = True,
+) -> tuple[EG2Model, LoadReport]:
+    """Build, load and prepare a model for inference. Returns it in eval mode with its report.
+
+    `pack`: quantize a BF16 checkpoint's tower Linears at load time (already-packed layers stay).
+    `unpack_hooks`: attach the side-stream Unpacker; without it packed layers dequantize on the fly.
+    """
+    model_dir = Path(model_dir)
+    dev = resolve_device(device)
+    cdtype = compute_dtype(dev, dtype)
+    config = ModelConfig.from_dir(model_dir)
+    stored = read_header(model_dir)
+    if fp16 := [n for n, t in stored.items() if t.dtype == torch.float16]:
+        raise CheckpointError(
+            f"the checkpoint stores {len(fp16)} float16 tensors (e.g. {fp16[0]}): EmbeddingGemma 2 overflows "
+            "in float16; convert the source to bfloat16"
+        )
+
+    with torch.device("meta"):
+        model = EG2Model(config, modalities)
+        for name in [n.removesuffix(".weight_packed") for n in stored if n.endswith(".weight_packed")]:
+            if not _loaded(model, name):
+                continue
+            try:
+                linear = model.get_submodule(name)
+            except AttributeError:
+                raise CheckpointError(f"packed tensor {name}.weight_packed matches no layer of the model") from None
+            if not isinstance(linear, torch.nn.Linear):
+                raise CheckpointError(f"{name} is stored packed but is not a Linear layer")
+            g = linear.in_features // stored[f"{name}.weight_scale"].shape[-1]
+            replace_module(model, name, PackedLinear(linear.in_features, linear.out_features, linear.bias is not None, g))
+
+    expected = model.state_dict()
+    wanted = {n: t for n, t in stored.items() if _loaded(model, n)}
+    _check_names_and_shapes(expected, wanted)
+
+    state: dict[str, torch.Tensor] = {}
+    handles: dict[Path, object] = {}
+    try:
+        for name, meta in wanted.items():
+            if meta.file not in handles:
+                handles[meta.file] = safe_open(str(meta.file), framework="pt", device="cpu")
+            t = handles[meta.file].get_tensor(name)  # type: ignore[attr-defined]
+            # Packed codes, scales and shapes keep their stored dtype; everything else computes in cdtype.
+            keep = name.endswith((".weight_packed", ".weight_scale", ".weight_shape")) or not t.is_floating_point()
+            state[name] = t.to(dev, dtype=None if keep else cdtype)
+    except Exception as e:  # safetensors raises its own error types on corrupt data
+        raise CheckpointError(f"could not read the weights: {e}") from None
+    model.load_state_dict(state, strict=True, assign=True)
+    del state, handles
+
+    if pack:
+        with torch.no_grad():
+            pack_linears(model, group_size)
+    model.eval().requires_grad_(False)
+    report = build_report(model)
+    if unpack_hooks and report.packed_total:
+        model.unpacker = Unpacker(model, cdtype)  # type: ignore[assignment]
+    log.info("loaded %s: %s", model_dir.name, report.summary())
+    return model, report
+
+
+def _loaded(model: EG2Model, name: str) -> bool:
+    """Does a stored tensor belong to a part this model built (towers not asked for are skipped)?"""
+    top = name.split(".", 1)[0]
+    return top == "language_model" or getattr(model, top, None) is not None
+
+
+def _check_names_and_shapes(expected: dict[str, torch.Tensor], stored: dict[str, StoredTensor]) -> None:
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(expected))
+    wrong = sorted(
+        f"{n} (stored {list(stored[n].shape)}, expected {list(expected[n].shape)})"
+        for n in set(expected) & set(stored)
+        if tuple(expected[n].shape) != stored[n].shape
+    )
+    problems = [
+        f"{label}: {', '.join(items[:20])}{' ...' if len(items) > 20 else ''} ({len(items)} in all)"
+        for label, items in (("missing tensors", missing), ("unexpected tensors", extra), ("wrong shapes", wrong))
+        if items
+    ]
+    if problems:
+        raise CheckpointError("the checkpoint does not match the architecture in config.json: " + "; ".join(problems))
+
+
+def build_report(model: EG2Model) -> LoadReport:
+    report = LoadReport()
+    packed_params: set[int] = set()
+    for name, m in model.named_modules():
+        if isinstance(m, PackedLinear):
+            tower = name.split(".", 1)[0]
+            report.packed[tower] = report.packed.get(tower, 0) + 1
+            report.group_size = m.group_size
+            report.resident_bytes += m.packed_bytes() + m.weight_shape.nbytes
+            report.bf16_bytes += m.in_features * m.out_features * 2 + m.weight_shape.nbytes
+            packed_params.update(id(t) for t in (m.weight_packed, m.weight_scale, m.weight_shape))
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in packed_params:
+            continue
+        report.dense_tensors += 1
+        report.resident_bytes += t.nbytes
+        report.bf16_bytes += t.numel() * 2 if t.is_floating_point() else t.nbytes
+    report.packed = {t: report.packed[t] for t in PACKED_TOWERS if t in report.packed}
+    return report

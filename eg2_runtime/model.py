@@ -1,0 +1,130 @@
+"""EG2Model: the three towers, the two multimodal embedders, placeholder scatter, mean pooling and
+L2 normalisation. Parameter names are those of the Hugging Face checkpoint.
+
+Shapes: B items, T tokens, H text hidden (512), D embedding dim (768). Media soft tokens replace the
+placeholder ids (image, video, audio) of input_ids in reading order, unscaled; everything else takes
+the token embedding, scaled by sqrt(H). Placeholders themselves embed as the pad token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eg2_runtime.audio import AudioTower
+from eg2_runtime.config import ModelConfig
+from eg2_runtime.layers import RMSNorm
+from eg2_runtime.text import TextEncoder
+from eg2_runtime.vision import VisionTower
+
+ALL_MODALITIES = frozenset({"text", "image", "audio", "video"})
+
+
+class MultimodalEmbedder(nn.Module):
+    """Parameter-free RMSNorm, then a Linear into the text hidden size."""
+
+    def __init__(self, width: int, text_hidden: int, eps: float) -> None:
+        super().__init__()
+        self.embedding_pre_projection_norm = RMSNorm(width, eps, with_scale=False)
+        self.embedding_projection = nn.Linear(width, text_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.embedding_projection(self.embedding_pre_projection_norm(x))
+
+
+class EG2Model(nn.Module):
+    def __init__(self, config: ModelConfig, modalities: Iterable[str] = ALL_MODALITIES) -> None:
+        super().__init__()
+        self.config = config
+        wanted = frozenset(modalities) | {"text"}
+        if unknown := wanted - ALL_MODALITIES:
+            raise ValueError(f"unknown modalities {sorted(unknown)}; choose from {sorted(ALL_MODALITIES)}")
+        h = config.text.hidden_size
+        self.language_model = TextEncoder(config.text)
+        self.vision_tower: VisionTower | None = None
+        self.embed_vision: MultimodalEmbedder | None = None
+        self.audio_tower: AudioTower | None = None
+        self.embed_audio: MultimodalEmbedder | None = None
+        if wanted & {"image", "video"}:
+            if config.vision is None:
+                raise ValueError("images or video were asked for, but the checkpoint has no vision_config")
+            self.vision_tower = VisionTower(config.vision)
+            self.embed_vision = MultimodalEmbedder(config.vision.hidden_size, h, config.vision.rms_norm_eps)
+        if "audio" in wanted:
+            if config.audio is None:
+                raise ValueError("audio was asked for, but the checkpoint has no audio_config")
+            self.audio_tower = AudioTower(config.audio)
+            self.embed_audio = MultimodalEmbedder(config.audio.output_proj_dims, h, config.audio.rms_norm_eps)
+        self.modalities = frozenset(
+            {"text"}
+            | ({"image", "video"} & wanted if self.vision_tower is not None else set())
+            | ({"audio"} if self.audio_tower is not None else set())
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.language_model.embed_tokens.weight.dtype
+
+    def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(N, S, 768) pixels, (N, S, 2) positions -> (n_soft, H), images in order."""
+        if self.vision_tower is None or self.embed_vision is None:
+            raise ValueError("this model was loaded without the vision tower")
+        return self.embed_vision(self.vision_tower(pixels, positions))
+
+    def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(N, F, 128) log-mel, (N, F) mask -> (n_soft, H): each clip's valid steps, clips in order."""
+        if self.audio_tower is None or self.embed_audio is None:
+            raise ValueError("this model was loaded without the audio tower")
+        states, valid = self.audio_tower(features.to(self.dtype), mask.bool())
+        return self.embed_audio(states)[valid]
+
+    def token_embeddings(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        pixel_values: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_position_ids: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        input_features_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Per-token embeddings (B, T, D), before pooling. Argument names are the HF processor's."""
+        cfg = self.config
+        media = {
+            cfg.image_token_id: (pixel_values, image_position_ids, self.image_soft_tokens),
+            cfg.video_token_id: (pixel_values_videos, video_position_ids, self.image_soft_tokens),
+            cfg.audio_token_id: (input_features, input_features_mask, self.audio_soft_tokens),
+        }
+        placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
+        for token_id in media:
+            placeholder |= input_ids == token_id
+        embeds = self.language_model.embed(torch.where(placeholder, cfg.text.pad_token_id, input_ids))
+        for token_id, (values, aux, encode) in media.items():
+            slots = input_ids == token_id  # (B, T)
+            n_slots = int(slots.sum())
+            if values is None:
+                if n_slots:
+                    raise ValueError(f"{n_slots} placeholder tokens {token_id} but no media inputs for them")
+                continue
+            soft = encode(values, aux).to(embeds.dtype)  # (n_soft, H)
+            if soft.shape[0] != n_slots:
+                raise ValueError(f"media gave {soft.shape[0]} soft tokens for {n_slots} placeholders of {token_id}")
+            embeds = embeds.masked_scatter(slots[..., None], soft)
+        return self.language_model(embeds, attention_mask.bool())
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None) -> torch.Tensor:
+        """Unit embeddings (B, D) in fp32: mean over every token with attention_mask 1, then L2."""
+        tokens = self.token_embeddings(input_ids, attention_mask, **media).float()
+        return pool(tokens, attention_mask)
+
+
+def pool(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T, D) per-token embeddings -> (B, D) unit vectors: masked mean, then L2 normalise."""
+    m = attention_mask.to(tokens.dtype)[..., None]
+    mean = (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
+    return F.normalize(mean, p=2, dim=-1)
+

@@ -1,0 +1,212 @@
+"""4-bit weights: the compressed-tensors `pack-quantized` format, the packed linear, and the
+side-stream unpack that keeps the matmuls plain BF16.
+
+Format (int4, group-wise, symmetric), per Linear of out x in:
+    weight_packed  int32 (out, in / 8)   element j of a row sits in word j // 8, bits 4 * (j % 8),
+                                        stored as q + 8 so the nibble is unsigned
+    weight_scale   bf16  (out, in / g)   one scale per group of g consecutive inputs
+    weight_shape   int64 (2,)            (out, in)
+    weight = q * scale, q in [-8, 7], rounded once to bf16.
+
+`dequantize` is the pure-torch reference. `Unpacker` is the fast path: forward hooks unpack each
+layer into a reused scratch buffer on a side CUDA stream, one layer ahead, ordered by CUDA events.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NUM_BITS = 4
+PACK = 32 // NUM_BITS  # codes per int32 word
+Q_MIN, Q_MAX = -(1 << (NUM_BITS - 1)), (1 << (NUM_BITS - 1)) - 1  # -8, 7
+PACKED_TOWERS = ("vision_tower", "audio_tower")
+
+
+# ---- reference quantize / pack / unpack ------------------------------------------------------
+
+
+def quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (int32 packed (out, in/8), bf16 scale (out, in/g)).
+
+    Symmetric min-max per group, as compressed-tensors computes it: scale = absmax / 7.5. The codes
+    are rounded against the bf16-rounded scale, the one a reader multiplies by.
+    """
+    out_f, in_f = weight.shape
+    if in_f % group_size or group_size % PACK:
+        raise ValueError(f"in_features {in_f} is not a multiple of group size {group_size}")
+    w = weight.float().reshape(out_f, in_f // group_size, group_size)
+    scale = (w.abs().amax(dim=-1) / ((Q_MAX - Q_MIN) / 2)).to(torch.bfloat16)  # (out, groups)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()[..., None]
+    q = torch.clamp(torch.round(w / safe), Q_MIN, Q_MAX).to(torch.int32).reshape(out_f, in_f)
+    return pack(q), scale
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """(out, in) int codes in [-8, 7] -> (out, in / 8) int32 words."""
+    nibbles = (q.to(torch.int32) - Q_MIN).reshape(q.shape[0], -1, PACK)  # (out, in/8, 8) in [0, 15]
+    shifts = torch.arange(PACK, dtype=torch.int32, device=q.device) * NUM_BITS
+    # Disjoint bit ranges, so the sum is an OR; int32 wraps the top nibble into the sign bit.
+    return (nibbles << shifts).sum(dim=-1, dtype=torch.int32)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """(out, in / 8) int32 words -> (out, in) int8 codes in [-8, 7]."""
+    shifts = torch.arange(PACK, dtype=torch.int32, device=packed.device) * NUM_BITS
+    nibbles = (packed[..., None] >> shifts) & 0xF  # arithmetic shift; the mask drops the sign fill
+    return (nibbles.reshape(packed.shape[0], -1) + Q_MIN).to(torch.int8)
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Reference dequantization: (out, in) bf16 weight = q * scale.
+
+    The product is exact in fp32 (4-bit code times 8-bit mantissa) and rounded once to bf16, which is
+    what compressed-tensors' bf16 multiply produces too.
+    """
+    q = unpack(packed).float()  # (out, in)
+    out_f, in_f = q.shape
+    g = in_f // scale.shape[-1]
+    w = q.view(out_f, -1, g) * scale.float()[..., None]
+    return w.view(out_f, in_f).to(torch.bfloat16)
+
+
+# ---- the packed linear -----------------------------------------------------------------------
+
+
+class PackedLinear(nn.Module):
+    """A Linear whose weight is stored packed. `unpacked` holds the dense weight only while an
+    Unpacker hook has provided it; without one, forward dequantizes on the fly (the reference)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.weight_packed = nn.Buffer(torch.empty(out_features, in_features // PACK, dtype=torch.int32))
+        self.weight_scale = nn.Buffer(torch.empty(out_features, in_features // group_size, dtype=torch.bfloat16))
+        self.weight_shape = nn.Buffer(torch.tensor([out_features, in_features], dtype=torch.int64))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.unpacked: torch.Tensor | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> PackedLinear:
+        out_f, in_f = linear.weight.shape
+        m = cls(in_f, out_f, linear.bias is not None, group_size).to(linear.weight.device)
+        m.weight_packed, m.weight_scale = quantize(linear.weight.detach(), group_size)
+        if linear.bias is not None:
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return m
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.weight_packed, self.weight_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.unpacked if self.unpacked is not None else self.dequantize().to(x.dtype)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, w, bias)
+
+    def packed_bytes(self) -> int:
+        return self.weight_packed.nbytes + self.weight_scale.nbytes
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int4 g={self.group_size}"
+
+
+def packable_linears(model: nn.Module) -> list[str]:
+    """Names of every nn.Linear inside the vision and audio towers: what hybrid-w4 packs."""
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.split(".", 1)[0] in PACKED_TOWERS
+    ]
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def pack_linears(model: nn.Module, group_size: int) -> int:
+    """Quantize the towers' Linears in place (load-time packing of a BF16 checkpoint)."""
+    names = packable_linears(model)
+    for name in names:
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        replace_module(model, name, PackedLinear.from_linear(linear, group_size))
+    return len(names)
+
+
+# ---- the side-stream unpacker ----------------------------------------------------------------
+
+
+class Unpacker:
+    """Provides each PackedLinear's dense weight just before it runs, from a reused scratch buffer.
+
+    On CUDA: two scratch buffers, each as large as the largest packed layer. While layer i computes
+    from one on the main stream, layer i + 1 is unpacked into the other on a side stream:
+        side:  wait(done[slot]) -> unpack(i + 1) into slot -> record ready
+        main:  wait(ready of i) -> matmul(i) -> record done[slot of i]
+    Which layer follows which is learned from the calls themselves (next_of), so it holds for any
+    tower's execution order; a wrong guess costs only the overlap, never correctness.
+    On CPU the unpack is synchronous and there is no scratch: the weight lives for one forward.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        self.next_of: dict[PackedLinear, PackedLinear] = {}
+        self.prev: PackedLinear | None = None
+        self.handles = [h for m in self.layers for h in self._hook(m)]
+        device = self.layers[0].weight_packed.device if self.layers else torch.device("cpu")
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            numel = max(m.in_features * m.out_features for m in self.layers)
+            self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
+            self.stream = torch.cuda.Stream(device)
+            self.done = [torch.cuda.Event(), torch.cuda.Event()]  # main stream is done with slot b
+            self.pending: tuple[PackedLinear, int, torch.cuda.Event] | None = None  # the prefetch
+            self.slot_of: dict[PackedLinear, int] = {}  # the running layer's slot
+
+    def _hook(self, m: PackedLinear) -> tuple[object, object]:
+        return m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()  # type: ignore[attr-defined]
+
+    def _view(self, layer: PackedLinear, slot: int) -> torch.Tensor:
+        n = layer.out_features * layer.in_features
+        return self.scratch[slot][:n].view(layer.out_features, layer.in_features)
+
+    def _unpack_async(self, layer: PackedLinear, slot: int) -> torch.cuda.Event:
+        """Enqueue the unpack of `layer` into scratch[slot] on the side stream."""
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(self.done[slot])  # the last reader of this slot has finished
+            self._view(layer, slot).copy_(layer.dequantize())
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        return ready
+
+    def _before(self, layer: nn.Module, args: object) -> None:
+        assert isinstance(layer, PackedLinear)
+        if self.prev is not None and self.prev is not layer:
+            self.next_of[self.prev] = layer
+        self.prev = layer
+        if not self.cuda:
+            layer.unpacked = layer.dequantize().to(self.dtype)
+            return
+        if self.pending is not None and self.pending[0] is layer:
+            _, slot, ready = self.pending
+        else:  # first call, or a wrong guess: reuse the guessed layer's slot (same stream, in order)
+            slot = self.pending[1] if self.pending is not None else 0
+            ready = self._unpack_async(layer, slot)
+        torch.cuda.current_stream().wait_event(ready)
+        layer.unpacked = self._view(layer, slot)
+        self.slot_of[layer] = slot
+        nxt = self.next_of.get(layer)
+        self.pending = (nxt, 1 - slot, self._unpack_async(nxt, 1 - slot)) if nxt is not None else None
+
+    def _after(self, layer: nn.Module, args: object, output: object) -> None:
+        assert isinstance(layer, PackedLinear)
+        if self.cuda:
+            self.done[self.slot_of.pop(layer)].record(torch.cuda.current_stream())
+        layer.unpacked = None

@@ -1,0 +1,131 @@
+"""The text encoder: a bidirectional Gemma encoder with per-layer embeddings (PLE), then a
+per-token projection to the embedding dimension.
+
+Shapes: B batch, T tokens, H hidden (512), L layers, P PLE width (512), D embedding dim (768).
+Layers alternate sliding attention (|q - k| <= window, a radius) and full attention, each kind with
+its own head_dim, kv-head count and RoPE theta, all read from the config.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eg2_runtime.config import SLIDING, TextConfig
+from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, rope_cos_sin
+
+
+class TextAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dims[layer]
+        self.kv_heads = cfg.kv_heads[layer]
+        h, hd = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))  # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))  # (B, kv, T, hd)
+        v = self.v_norm(self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Scaling is 1.0: q_norm / k_norm already fix the logit scale.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class PLEBlock(nn.Module):
+    """Gates the residual stream with this layer's slice of the per-layer embeddings."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.per_layer_input_gate = nn.Linear(cfg.hidden_size, cfg.ple_dim, bias=False)
+        self.per_layer_projection = nn.Linear(cfg.ple_dim, cfg.hidden_size, bias=False)
+        self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
+        gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple  # (B, T, P)
+        return x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+
+
+class TextLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = TextAttention(cfg, layer)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.ple_block = PLEBlock(cfg)
+        self.layer_scalar = nn.Buffer(torch.ones(1))
+
+    def forward(
+        self, x: torch.Tensor, ple: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.ple_block(x, ple)
+        return x * self.layer_scalar
+
+
+class PerLayerEmbeddings(nn.Module):
+    """Projection-only PLE: (B, T, H) merged embeddings -> (B, T, L, P), one slice per layer."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.num_layers, self.ple_dim = cfg.num_layers, cfg.ple_dim
+        self.per_layer_model_projection = nn.Linear(cfg.hidden_size, cfg.num_layers * cfg.ple_dim, bias=False)
+        self.scale = cfg.hidden_size**-0.5
+        self.per_layer_projection_norm = RMSNorm(cfg.ple_dim, cfg.rms_norm_eps)
+
+    def forward(self, embeds: torch.Tensor) -> torch.Tensor:
+        p = self.per_layer_model_projection(embeds) * self.scale
+        return self.per_layer_projection_norm(p.reshape(*embeds.shape[:-1], self.num_layers, self.ple_dim))
+
+
+class TextEncoder(nn.Module):
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TextLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ple = PerLayerEmbeddings(cfg)
+        self.embedding_projection = nn.Linear(cfg.hidden_size, cfg.embedding_dim, bias=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, T, H), scaled by sqrt(H) rounded to the weight dtype (22.625 in bf16)."""
+        scale = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.embed_tokens.weight.dtype)
+        return self.embed_tokens(input_ids) * scale.to(input_ids.device)
+
+    def forward(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) merged embeddings, (B, T) bool valid -> (B, T, D) per-token embeddings."""
+        cfg = self.cfg
+        ple = self.ple(embeds)  # (B, T, L, P)
+        t = embeds.shape[1]
+        positions = torch.arange(t, device=embeds.device)
+        full_mask = key_padding_mask(valid)  # (B, 1, T, T)
+        distance = (positions[:, None] - positions[None, :]).abs()
+        masks = {SLIDING: full_mask & (distance <= cfg.sliding_window)}
+        rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            kind = cfg.layer_types[i]
+            key = (kind, cfg.head_dims[i])
+            if key not in rope:
+                rope[key] = rope_cos_sin(positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
+            cos, sin = rope[key]
+            x = layer(x, ple[:, :, i], cos, sin, masks.get(kind, full_mask))
+        return self.embedding_projection(self.norm(x))
