@@ -193,12 +193,17 @@ class AudioLayer(nn.Module):
 
 
 def relative_positions(cfg: AudioConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Sinusoidal embeddings of relative distances 12..0: (13, A) as [sin..., cos...]."""
+    """Sinusoidal embeddings of relative distances 12..0: (13, A) as [sin..., cos...].
+
+    The inverse timescales are computed in fp32 and stored in the compute dtype, and the angles and
+    their sin/cos are then computed in that dtype, as the reference does (its timescale buffer has
+    the model's dtype): in BF16 the rounded angles differ visibly from FP32 ones.
+    """
     context = cfg.chunk_size + cfg.context_left - 1 + cfg.context_right
     half = cfg.hidden_size // 2
-    inv = torch.exp(torch.arange(half, device=device) * -(math.log(10_000.0) / max(half - 1, 1)))
-    t = torch.arange(context // 2, -1, -1, device=device)[:, None] * inv[None]
-    return torch.cat((t.sin(), t.cos()), dim=-1).to(dtype)
+    inv = torch.exp(torch.arange(half, device=device).float() * -(math.log(10_000.0) / max(half - 1, 1))).to(dtype)
+    t = torch.arange(context // 2, -1, -1, device=device)[:, None] * inv[None]  # (13, A/2) in dtype
+    return torch.cat((t.sin(), t.cos()), dim=-1)
 
 
 class AudioTower(nn.Module):

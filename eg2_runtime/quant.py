@@ -141,12 +141,14 @@ def pack_linears(model: nn.Module, group_size: int) -> int:
 class Unpacker:
     """Provides each PackedLinear's dense weight just before it runs, from a reused scratch buffer.
 
-    On CUDA: two scratch buffers, each as large as the largest packed layer. While layer i computes
-    from one on the main stream, layer i + 1 is unpacked into the other on a side stream:
-        side:  wait(done[slot]) -> unpack(i + 1) into slot -> record ready
-        main:  wait(ready of i) -> matmul(i) -> record done[slot of i]
-    Which layer follows which is learned from the calls themselves (next_of), so it holds for any
-    tower's execution order; a wrong guess costs only the overlap, never correctness.
+    On CUDA there are two scratch buffers, each as large as the largest packed layer. Layer i reads
+    one; layer i + 1 is unpacked into the other on a side stream while layer i computes:
+        main:  wait(ready[i]) -> record started[i] -> matmul(i)
+        side:  wait(started[i]) -> unpack(i + 1) into the other slot -> record ready[i + 1]
+    started[i] also means layer i - 1, the last reader of that other slot, has finished (one main
+    stream, in order), so a slot is never overwritten while read. Which layer follows which is
+    learned from the calls themselves (next_of), so it holds for any tower's execution order; a
+    wrong guess costs only the overlap, never correctness.
     On CPU the unpack is synchronous and there is no scratch: the weight lives for one forward.
     """
 
@@ -162,9 +164,11 @@ class Unpacker:
             numel = max(m.in_features * m.out_features for m in self.layers)
             self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
             self.stream = torch.cuda.Stream(device)
-            self.done = [torch.cuda.Event(), torch.cuda.Event()]  # main stream is done with slot b
-            self.pending: tuple[PackedLinear, int, torch.cuda.Event] | None = None  # the prefetch
-            self.slot_of: dict[PackedLinear, int] = {}  # the running layer's slot
+            self.pending: tuple[PackedLinear, torch.cuda.Event] | None = None  # the prefetched layer
+            self.slot = 1  # the slot of the layer that started last
+            self.started: torch.cuda.Event | None = None  # main stream reached that layer
+            # The fused Triton kernel writes BF16 in place; any other dtype takes the reference.
+            self.fast = _triton_dequantize_into() if dtype == torch.bfloat16 else None
 
     def _hook(self, m: PackedLinear) -> tuple[object, object]:
         return m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)
@@ -178,10 +182,15 @@ class Unpacker:
         return self.scratch[slot][:n].view(layer.out_features, layer.in_features)
 
     def _unpack_async(self, layer: PackedLinear, slot: int) -> torch.cuda.Event:
-        """Enqueue the unpack of `layer` into scratch[slot] on the side stream."""
+        """Enqueue the unpack of `layer` into scratch[slot] on the side stream, after `started`."""
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.done[slot])  # the last reader of this slot has finished
-            self._view(layer, slot).copy_(layer.dequantize())
+            if self.started is not None:
+                self.stream.wait_event(self.started)
+            view = self._view(layer, slot)
+            if self.fast is not None:
+                self.fast(layer.weight_packed, layer.weight_scale, view)
+            else:
+                view.copy_(layer.dequantize())
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return ready
@@ -194,19 +203,29 @@ class Unpacker:
         if not self.cuda:
             layer.unpacked = layer.dequantize().to(self.dtype)
             return
+        slot = 1 - self.slot  # a prefetch always targets the slot the running layer does not read
         if self.pending is not None and self.pending[0] is layer:
-            _, slot, ready = self.pending
-        else:  # first call, or a wrong guess: reuse the guessed layer's slot (same stream, in order)
-            slot = self.pending[1] if self.pending is not None else 0
+            ready = self.pending[1]
+        else:  # first call, or a wrong guess: unpack now (after the guess, on the same stream)
             ready = self._unpack_async(layer, slot)
-        torch.cuda.current_stream().wait_event(ready)
+        main = torch.cuda.current_stream()
+        main.wait_event(ready)
+        self.started = torch.cuda.Event()
+        self.started.record(main)
+        self.slot = slot
         layer.unpacked = self._view(layer, slot)
-        self.slot_of[layer] = slot
         nxt = self.next_of.get(layer)
-        self.pending = (nxt, 1 - slot, self._unpack_async(nxt, 1 - slot)) if nxt is not None else None
+        self.pending = (nxt, self._unpack_async(nxt, 1 - slot)) if nxt is not None else None
 
     def _after(self, layer: nn.Module, args: object, output: object) -> None:
         assert isinstance(layer, PackedLinear)
-        if self.cuda:
-            self.done[self.slot_of.pop(layer)].record(torch.cuda.current_stream())
         layer.unpacked = None
+
+
+def _triton_dequantize_into():  # type: ignore[no-untyped-def]
+    """The fused unpack kernel, or None where Triton is missing (the reference path then runs)."""
+    try:
+        from eg2_runtime.unpack_triton import dequantize_into
+    except ImportError:
+        return None
+    return dequantize_into

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eg2_runtime.config import SLIDING, TextConfig
+from eg2_runtime.config import FULL, SLIDING, TextConfig
 from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, rope_cos_sin
 
 
@@ -33,14 +33,22 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))  # (B, nh, T, hd)
         k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))  # (B, kv, T, hd)
         v = self.v_norm(self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # SDPA's GQA path only where the reference takes it too (no mask, head_dim <= 256): elsewhere
+        # the kv heads are repeated, so both runs pick the same kernels and round alike on the GPU.
+        gqa = mask is None and self.head_dim <= 256
+        if not gqa and self.kv_heads != self.num_heads:
+            k = k.repeat_interleave(self.num_heads // self.kv_heads, dim=1)
+            v = v.repeat_interleave(self.num_heads // self.kv_heads, dim=1)
         # Scaling is 1.0: q_norm / k_norm already fix the logit scale.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -72,7 +80,7 @@ class TextLayer(nn.Module):
         self.layer_scalar = nn.Buffer(torch.ones(1))
 
     def forward(
-        self, x: torch.Tensor, ple: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+        self, x: torch.Tensor, ple: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -116,9 +124,7 @@ class TextEncoder(nn.Module):
         ple = self.ple(embeds)  # (B, T, L, P)
         t = embeds.shape[1]
         positions = torch.arange(t, device=embeds.device)
-        full_mask = key_padding_mask(valid)  # (B, 1, T, T)
-        distance = (positions[:, None] - positions[None, :]).abs()
-        masks = {SLIDING: full_mask & (distance <= cfg.sliding_window)}
+        masks = attention_masks(valid, cfg.sliding_window)
         rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         x = embeds
         for i, layer in enumerate(self.layers):
@@ -127,5 +133,20 @@ class TextEncoder(nn.Module):
             if key not in rope:
                 rope[key] = rope_cos_sin(positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
             cos, sin = rope[key]
-            x = layer(x, ple[:, :, i], cos, sin, masks.get(kind, full_mask))
+            x = layer(x, ple[:, :, i], cos, sin, masks[kind])
         return self.embedding_projection(self.norm(x))
+
+
+def attention_masks(valid: torch.Tensor, window: int) -> dict[str, torch.Tensor | None]:
+    """Boolean SDPA masks (True = attend) per layer kind, or None where nothing is masked.
+
+    None lets SDPA take its fastest kernel, the one the reference's SDPA path takes on the same
+    input; a batch without padding that fits the window needs no mask at all.
+    """
+    t = valid.shape[1]
+    positions = torch.arange(t, device=valid.device)
+    in_window = (positions[:, None] - positions[None, :]).abs() <= window  # (T, T)
+    if bool(valid.all()):
+        return {FULL: None, SLIDING: None if t - 1 <= window else in_window[None, None]}
+    padded = key_padding_mask(valid)  # (B, 1, T, T)
+    return {FULL: padded, SLIDING: padded & in_window}

@@ -72,7 +72,9 @@ class VisionAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         n, s, _ = x.shape
         shape = (n, s, -1, self.head_dim)
         q = apply_axial_rope(self.q_norm(self.q_proj(x).view(shape)), cos, sin).transpose(1, 2)
@@ -93,7 +95,9 @@ class VisionLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
@@ -120,30 +124,29 @@ class VisionTower(nn.Module):
         padding = (positions == -1).all(dim=-1)  # (N, S)
         x = self.patch_embedder(pixels, positions, padding)
         cos, sin = axial_rope(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        mask = key_padding_mask(~padding)
+        # No mask when no image is padded: SDPA then takes its fastest kernel, as the reference does.
+        mask = key_padding_mask(~padding) if bool(padding.any()) else None
         for layer in self.encoder.layers:
             x = layer(x, cos, sin, mask)
         pooled, valid = self.pool(x.masked_fill(padding[..., None], 0.0), positions)
         # Scale by sqrt(V) in fp32: the magnitude would overflow fp16, and bf16 would lose bits.
-        soft = pooled[valid] * math.sqrt(cfg.hidden_size)  # (n_soft, V) fp32
+        soft = pooled[valid].float() * math.sqrt(cfg.hidden_size)  # (n_soft, V) fp32
         if cfg.standardize:
             soft = (soft - self.std_bias.float()) * self.std_scale.float()
         return soft.to(x.dtype)
 
     def pool(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Average k x k patch blocks (fp32): (N, S, V) -> (N, M, V) and (N, M) bool of used slots.
+        """Average k x k patch blocks: (N, S, V) -> (N, M, V) in x's dtype, (N, M) bool of used slots.
 
         Output slot of patch (x, y) is (x // k) + (W / k) * (y // k), W the image's width in patches.
-        Padding patches are zero and land in slot 0, so they add nothing.
+        Padding patches are zero and land in slot 0, so they add nothing. The average is a one-hot
+        matmul in fp32 rounded to x's dtype, exactly as the reference computes it.
         """
         k = self.cfg.pooling_kernel_size
-        n, s, v = x.shape
-        m = s // (k * k)
+        m = x.shape[1] // (k * k)
         pos = positions.clamp(min=0)
         width = pos[..., 0].amax(dim=-1, keepdim=True) + 1  # (N, 1) patches per row
         slot = pos[..., 0] // k + (width // k) * (pos[..., 1] // k)  # (N, S)
-        out = torch.zeros(n, m, v, dtype=torch.float32, device=x.device)
-        out.scatter_add_(1, slot[..., None].expand(-1, -1, v), x.float())
-        counts = torch.zeros(n, m, dtype=torch.float32, device=x.device)
-        counts.scatter_add_(1, slot, torch.ones_like(slot, dtype=torch.float32))
-        return out / (k * k), counts > 0
+        weights = F.one_hot(slot, m).float() / (k * k)  # (N, S, M)
+        pooled = weights.transpose(1, 2) @ x.float()  # (N, M, V)
+        return pooled.to(x.dtype), (weights != 0).any(dim=1)

@@ -34,3 +34,13 @@ def tiny_w4(tmp_path_factory: pytest.TempPathFactory, tiny_bf16: Path) -> Path:
     dst = tmp_path_factory.mktemp("tiny-w4")
     quantize_checkpoint(tiny_bf16, dst, group_size=32, progress=False)
     return dst
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--results", default=None, help="directory for JSON figures and traces of GPU tests")
+
+
+@pytest.fixture(scope="session")
+def results(request: pytest.FixtureRequest) -> Path | None:
+    value = request.config.getoption("--results")
+    return Path(value) if value else None

@@ -1,0 +1,50 @@
+# eg2-serve: the habits, one target each. `make run` and `make test` are the README's two commands.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+# torch from this machine's disk: 2.14.1 + torchvision 0.29.1 give the full transformers reference
+# (its video processor needs torchvision; the 2.13.0 CPU wheel alone has no importable torchvision).
+TORCH   ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: install run test test-gpu lint format typecheck check bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Start the service (a demo checkpoint with random weights when EG2_MODEL is unset).
+run: $(STAMP)
+	$(VENV)/bin/eg2 serve
+
+## The test suite CI runs: everything but the GPU tests.
+test: $(STAMP)
+	$(PY) -m pytest -m "not gpu" -q
+
+## GPU tests (on the H200): parity, weight memory, unpack overlap. Figures go to $(RESULTS).
+RESULTS ?= out
+test-gpu:
+	python3 -m pytest -m gpu -q -s --results $(RESULTS) tests/test_gpu.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check app eg2_runtime tests
+	$(VENV)/bin/ruff format --check app eg2_runtime tests
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix app eg2_runtime tests
+	$(VENV)/bin/ruff format app eg2_runtime tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+check: lint typecheck test
+
+bench: $(STAMP)
+	$(VENV)/bin/eg2 bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

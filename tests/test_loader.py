@@ -1,0 +1,95 @@
+"""The loader: what it reports, what it refuses, and that load-time packing equals the quantizer."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eg2_runtime.errors import CheckpointError
+from eg2_runtime.loader import load_model
+from eg2_runtime.quant import PackedLinear
+
+
+def _copy_with(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped-def]
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_report_counts_what_is_stored(tiny_w4: Path) -> None:
+    model, report = load_model(tiny_w4, "cpu", dtype=torch.bfloat16)
+    n_packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    assert report.packed_total == n_packed > 0
+    assert set(report.packed) == {"vision_tower", "audio_tower"}
+    assert report.resident_bytes < report.bf16_bytes, "packed weights should be smaller than BF16"
+    assert f"{n_packed} packed (vision {report.packed['vision_tower']}, audio {report.packed['audio_tower']})" in (
+        report.summary()
+    )
+
+
+def test_text_only_loads_no_tower(tiny_w4: Path) -> None:
+    model, report = load_model(tiny_w4, "cpu", modalities={"text"})
+    assert model.vision_tower is None and model.audio_tower is None
+    assert report.packed_total == 0
+    assert not any(n.startswith(("vision_tower", "audio_tower", "embed_")) for n, _ in model.named_parameters())
+
+
+def test_load_time_packing_equals_the_quantizer(tiny_bf16: Path, tiny_w4: Path) -> None:
+    packed_at_load, _ = load_model(tiny_bf16, "cpu", pack=True, group_size=32)
+    from_file, _ = load_model(tiny_w4, "cpu")
+    a, b = packed_at_load.state_dict(), from_file.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "pack=True gave different codes or scales than eg2 quantize"
+
+
+def test_fp16_is_refused(tiny_bf16: Path, tmp_path: Path) -> None:
+    fp16 = _copy_with(tiny_bf16, tmp_path / "fp16", lambda t: t.update({k: v.half() for k, v in t.items()}))
+    with pytest.raises(CheckpointError, match="float16"):
+        load_model(fp16, "cpu")
+    with pytest.raises(ValueError, match="float16 is not supported"):
+        load_model(tiny_bf16, "cpu", dtype=torch.float16)
+
+
+def test_truncated_file_is_named(tiny_bf16: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "truncated"
+    shutil.copytree(tiny_bf16, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors is truncated"):
+        load_model(bad, "cpu")
+    (bad / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+        load_model(bad, "cpu")
+
+
+def test_missing_extra_and_misshaped_tensors_are_listed(tiny_bf16: Path, tmp_path: Path) -> None:
+    name = "language_model.layers.1.mlp.up_proj.weight"
+
+    missing = _copy_with(tiny_bf16, tmp_path / "missing", lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=rf"missing tensors: {name}"):
+        load_model(missing, "cpu")
+
+    extra = _copy_with(tiny_bf16, tmp_path / "extra", lambda t: t.update({"language_model.bogus": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensors: language_model.bogus"):
+        load_model(extra, "cpu")
+
+    def reshape(t: dict[str, torch.Tensor]) -> None:
+        t[name] = t[name][:-1]
+
+    wrong = _copy_with(tiny_bf16, tmp_path / "wrong", reshape)
+    with pytest.raises(CheckpointError, match=rf"wrong shapes: {name} \(stored"):
+        load_model(wrong, "cpu")
+
+
+def test_missing_weights_file(tiny_bf16: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    shutil.copytree(tiny_bf16, empty)
+    (empty / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors is missing"):
+        load_model(empty, "cpu")
