@@ -1,0 +1,458 @@
+"""The dynamic batcher: requests in, GPU batches out, each row back to its request.
+
+    embed(items) ── admission (items in flight <= limit, else 429 at once)
+       └─► preprocess pool: N threads run engine.prepare, overlapping with the GPU
+             └─► per-modality queues of prepared items
+                   └─► scheduler (event loop): pick the modality with the oldest item, wait at most
+                       max_queue_delay for companions, take the oldest item plus the queued items
+                       closest to it in cost, under max_batch_tokens and max_batch_items
+                         └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
+
+A request whose future is done (answered, failed, cancelled on disconnect or timeout) is dead: its
+items are skipped before preprocessing and dropped before the GPU. A failing batch is split in halves
+and retried, so an out-of-memory batch still completes in smaller pieces and one poisoned item fails
+only its own request. Assumes the engine contract of eg2_runtime.engine: prepare is thread-safe,
+embed runs on one thread and returns unit rows in batch order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from app.errors import Overloaded, Unavailable
+from app.metrics import Metrics
+from eg2_runtime.engine import PreparedItem
+from eg2_runtime.errors import EngineError, EngineOutOfMemory
+from eg2_runtime.inputs import Item, PrepareOptions
+
+log = logging.getLogger("eg2.batcher")
+T = TypeVar("T")
+
+
+class EngineLike(Protocol):
+    """What the service uses of eg2_runtime.engine.Engine (and tests/fake_engine.FakeEngine)."""
+
+    @property
+    def modalities(self) -> frozenset[str]: ...
+    @property
+    def prompts(self) -> dict[str, str]: ...
+    @property
+    def max_text_tokens(self) -> int: ...
+    def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem: ...
+    def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray: ...
+    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]: ...
+    def info(self) -> dict[str, Any]: ...
+    def memory(self) -> dict[str, int]: ...
+
+
+class Threads:
+    """N daemon threads draining one job queue; each result lands in an asyncio future.
+
+    Not concurrent.futures: its workers are joined at interpreter exit, so one wedged engine call
+    would keep the process alive past its drain deadline. A job whose future was cancelled before a
+    thread picked it up is skipped.
+    """
+
+    def __init__(self, n: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def idents(self) -> set[int | None]:
+        return {t.ident for t in self._threads}
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._jobs.put((loop, future, fn, args))
+        return future
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, args = job
+            if future.cancelled():  # read across threads: at worst the work is done for nothing
+                continue
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+@dataclass(frozen=True)
+class Embedded:
+    vectors: np.ndarray  # (N, D) float32 unit rows, in item order
+    num_tokens: int  # sum of PreparedItem.num_tokens: what `usage` reports
+    queue_s: float  # longest wait of one of its items for the GPU
+    inference_s: float  # summed time of the GPU batches that carried its items
+
+
+class _Request:
+    """One call to embed(): its items' rows land here; done (any way) means dead."""
+
+    def __init__(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.future: asyncio.Future[None] = loop.create_future()
+        self.rows: list[np.ndarray | None] = [None] * n
+        self.remaining = n
+        self.num_tokens = 0
+        self.queue_s = 0.0
+        self.inference_s = 0.0
+        self.last_batch = -1
+        self.prep_futures: list[asyncio.Future[Any]] = []
+
+    @property
+    def dead(self) -> bool:
+        return self.future.done()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    def deliver(self, index: int, row: np.ndarray, num_tokens: int, batch_id: int, batch_s: float) -> None:
+        self.rows[index] = row
+        self.num_tokens += num_tokens
+        if batch_id != self.last_batch:
+            self.last_batch = batch_id
+            self.inference_s += batch_s
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(None)
+
+
+@dataclass(eq=False)
+class _Work:
+    request: _Request
+    index: int
+    item: PreparedItem
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class _Queue:
+    """Prepared items of one modality, oldest first, with their summed cost kept up to date."""
+
+    def __init__(self) -> None:
+        self.items: deque[_Work] = deque()
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def append(self, work: _Work) -> None:
+        self.items.append(work)
+        self.tokens += work.item.cost
+
+    def drop_dead(self) -> int:
+        live = deque(w for w in self.items if not w.request.dead)
+        dropped = len(self.items) - len(live)
+        self.items, self.tokens = live, sum(w.item.cost for w in live)
+        return dropped
+
+    def take(self, max_tokens: int, max_items: int, window: int) -> list[_Work]:
+        """The oldest item plus the queued ones closest to it in cost, under both budgets.
+
+        Only the first `window` items are looked at, so a deep queue costs O(window) per batch.
+        """
+        head = self.items.popleft()
+        prefix = [self.items.popleft() for _ in range(min(window, len(self.items)))]
+        batch, tokens = [head], head.item.cost
+        for work in sorted(prefix, key=lambda w: abs(w.item.cost - head.item.cost)):
+            if len(batch) == max_items:
+                break
+            if tokens + work.item.cost <= max_tokens:
+                batch.append(work)
+                tokens += work.item.cost
+        taken = {id(w) for w in batch}
+        self.items.extendleft(reversed([w for w in prefix if id(w) not in taken]))  # back in arrival order
+        self.tokens -= tokens
+        return sorted(batch, key=lambda w: w.item.cost)
+
+
+class Batcher:
+    def __init__(
+        self,
+        engine: EngineLike,
+        metrics: Metrics,
+        *,
+        max_batch_tokens: int,
+        max_batch_items: int,
+        max_queue_delay_s: float,
+        max_queued_items: int,
+        preprocess_workers: int,
+        stall_timeout_s: float,
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_items = max_batch_items
+        self._delay_s = max_queue_delay_s
+        self._limit = max_queued_items
+        self._stall_timeout_s = stall_timeout_s
+        self._window = 8 * max_batch_items  # items looked at when grouping by cost
+        self._prep = Threads(preprocess_workers, "eg2-prepare")
+        self._gpu = Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
+        self._queues: dict[str, _Queue] = {}
+        self._dead_queued = False  # a request ended with items still queued: sweep before the next batch
+        self._wakeup = asyncio.Event()
+        self._live: set[_Request] = set()
+        self._batch_ids = itertools.count()
+        self._scheduler: asyncio.Task[None] | None = None
+        self.admitted = 0
+        self._busy_since: float | None = None
+        self._items_per_s = 0.0  # EWMA of GPU throughput, for Retry-After
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._scheduler = asyncio.create_task(self._schedule(), name="eg2-scheduler")
+
+    async def warmup(self) -> None:
+        """One full-size batch per modality straight to the GPU: an OOM here fails the boot."""
+        batches = await self._prep.submit(
+            self._engine.warmup_batches, self.max_batch_tokens, self.max_batch_items
+        )
+        for batch in batches:
+            if not batch:
+                continue
+            tokens, modality = sum(p.cost for p in batch), batch[0].modality
+            start = time.monotonic()
+            try:
+                await self._gpu_call(batch)
+            except EngineOutOfMemory as exc:
+                raise EngineOutOfMemory(
+                    f"warm-up ran out of memory on a full {modality} batch ({len(batch)} items, {tokens} tokens): "
+                    f"lower max_batch_tokens or max_batch_items ({exc.message})"
+                ) from exc
+            log.info(
+                "warm-up batch done",
+                extra={
+                    "modality": modality,
+                    "items": len(batch),
+                    "tokens": tokens,
+                    "seconds": time.monotonic() - start,
+                },
+            )
+
+    async def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scheduler
+        self.abort(Unavailable("the server is shutting down"))
+        self._prep.close()
+        self._gpu.close()
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every request in flight with `exc` (drain deadline, shutdown)."""
+        for request in list(self._live):
+            request.fail(exc)
+
+    # --- health --------------------------------------------------------------------------------
+
+    @property
+    def gpu_thread_ids(self) -> set[int | None]:
+        return self._gpu.idents
+
+    def stalled_for(self) -> float:
+        """Seconds the current GPU call has been running; 0 when idle."""
+        busy = self._busy_since
+        return 0.0 if busy is None else time.monotonic() - busy
+
+    def problem(self) -> str | None:
+        """Why the worker is not making progress, or None while it is."""
+        if self._scheduler is not None and self._scheduler.done():
+            return "the batch scheduler stopped"
+        stalled = self.stalled_for()
+        if stalled > self._stall_timeout_s:
+            return f"a GPU call has been running for {stalled:.0f} s (limit {self._stall_timeout_s:g} s)"
+        return None
+
+    def queued(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    # --- requests ------------------------------------------------------------------------------
+
+    async def embed(self, items: Sequence[Item], options: PrepareOptions) -> Embedded:
+        """Vectors of `items`, in order. Cancel the caller to drop its items (disconnect, timeout)."""
+        n = len(items)
+        if self.admitted + n > self._limit:
+            raise Overloaded(
+                f"server is at its admission limit ({self._limit} items in flight); retry later",
+                retry_after_s=self._retry_after(),
+            )
+        self.admitted += n
+        self._metrics.admitted_items.set(self.admitted)
+        request = _Request(n, asyncio.get_running_loop())
+        self._live.add(request)
+        try:
+            for i, item in enumerate(items):
+                prep = self._prep.submit(self._prepare, item, options)
+                prep.add_done_callback(functools.partial(self._prepared, request, i))
+                request.prep_futures.append(prep)
+            await request.future
+            rows = np.stack(request.rows)  # type: ignore[arg-type]  # every row was delivered
+            return Embedded(rows, request.num_tokens, request.queue_s, request.inference_s)
+        finally:
+            future = request.future
+            if not (future.done() and not future.cancelled() and future.exception() is None):
+                self._dead_queued = True  # it may have left items in the queues
+            future.cancel()  # no-op when answered; otherwise marks its leftovers dead
+            for prep in request.prep_futures:
+                prep.cancel()
+            self._live.discard(request)
+            self.admitted -= n
+            self._metrics.admitted_items.set(self.admitted)
+
+    def _prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:  # on a preprocess thread
+        start = time.monotonic()
+        prepared = self._engine.prepare(item, options)
+        self._metrics.preprocess_seconds.labels(prepared.modality).observe(time.monotonic() - start)
+        return prepared
+
+    def _prepared(self, request: _Request, index: int, prep: asyncio.Future[PreparedItem]) -> None:
+        if prep.cancelled():
+            return
+        if (exc := prep.exception()) is not None:
+            request.fail(exc)  # one bad item fails its own request only
+            return
+        if request.dead:
+            self._metrics.dropped_items.inc()
+            return
+        work = _Work(request, index, prep.result())
+        q = self._queues.setdefault(work.item.modality, _Queue())
+        q.append(work)
+        self._metrics.queue_depth.labels(work.item.modality).set(len(q))
+        self._wakeup.set()
+
+    def _retry_after(self) -> int:
+        rate = max(self._items_per_s, 1.0)
+        return max(1, min(30, math.ceil(self.admitted / rate)))
+
+    # --- scheduling ----------------------------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            try:
+                await self._run(batch)
+            except Exception as exc:  # a bug here must not stop the scheduler: fail the batch, go on
+                log.exception("batch scheduling failed")
+                for work in batch:
+                    work.request.fail(exc)
+
+    def _sweep(self) -> None:
+        """Drop queued items of dead requests, before they cost a GPU pass."""
+        self._dead_queued = False
+        for modality, q in self._queues.items():
+            if dropped := q.drop_dead():
+                self._metrics.dropped_items.inc(dropped)
+                self._metrics.queue_depth.labels(modality).set(len(q))
+
+    async def _next_batch(self) -> list[_Work]:
+        while True:
+            if self._dead_queued:
+                self._sweep()
+            heads = [(q.items[0].enqueued, m) for m, q in self._queues.items() if q]
+            if not heads:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            _, modality = min(heads)
+            q = self._queues[modality]
+            full = len(q) >= self.max_batch_items or q.tokens >= self.max_batch_tokens
+            wait_s = q.items[0].enqueued + self._delay_s - time.monotonic()
+            if full or wait_s <= 0:
+                batch = q.take(self.max_batch_tokens, self.max_batch_items, self._window)
+                self._metrics.queue_depth.labels(modality).set(len(q))
+                return batch
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), wait_s)
+
+    async def _gpu_call(self, batch: Sequence[PreparedItem]) -> np.ndarray:
+        self._busy_since = time.monotonic()
+        try:
+            vectors = await self._gpu.submit(self._engine.embed, batch)
+        finally:
+            self._busy_since = None
+        if not isinstance(vectors, np.ndarray) or vectors.ndim != 2 or vectors.shape[0] != len(batch):
+            shape = getattr(vectors, "shape", type(vectors).__name__)
+            raise EngineError(f"engine returned {shape} for a batch of {len(batch)}")
+        return vectors
+
+    async def _run(self, batch: list[_Work]) -> None:
+        live = [w for w in batch if not w.request.dead]
+        if len(live) < len(batch):
+            self._metrics.dropped_items.inc(len(batch) - len(live))
+        if not live:
+            return
+        modality = live[0].item.modality
+        start = time.monotonic()
+        for work in live:
+            waited = start - work.enqueued
+            work.request.queue_s = max(work.request.queue_s, waited)
+            self._metrics.queue_seconds.labels(modality).observe(waited)
+        try:
+            vectors = await self._gpu_call([w.item for w in live])
+        except Exception as exc:
+            if len(live) == 1:
+                live[0].request.fail(exc)
+                return
+            # Out of memory: smaller batches may fit. Anything else: isolate the item that raises.
+            reason = "oom" if isinstance(exc, EngineOutOfMemory) else "error"
+            log.warning(
+                "GPU batch failed; splitting it in halves",
+                extra={
+                    "modality": modality,
+                    "items": len(live),
+                    "reason": reason,
+                    "error": type(exc).__name__,
+                },
+            )
+            self._metrics.batch_splits.labels(reason).inc()
+            half = len(live) // 2
+            await self._run(live[:half])
+            await self._run(live[half:])
+            return
+        elapsed = time.monotonic() - start
+        batch_id = next(self._batch_ids)
+        tokens = sum(w.item.cost for w in live)
+        self._metrics.batch_size.labels(modality).observe(len(live))
+        self._metrics.batch_tokens.labels(modality).observe(tokens)
+        self._metrics.inference_seconds.labels(modality).observe(elapsed)
+        self._metrics.tokens.labels(modality).inc(sum(w.item.num_tokens for w in live))
+        rate = len(live) / max(elapsed, 1e-6)
+        self._items_per_s = rate if self._items_per_s == 0 else 0.8 * self._items_per_s + 0.2 * rate
+        for work, row in zip(live, vectors, strict=True):
+            work.request.deliver(work.index, row, work.item.num_tokens, batch_id, elapsed)

@@ -1,0 +1,149 @@
+"""The `eg2` command: `serve` here; the runtime's tools wired in, imported only when called.
+
+eg2 serve [--model DIR] [--port 8000] ...     every Settings field is a flag (and an EG2_* variable)
+eg2 quantize SRC DST [--group-size 32|64|128] [--modalities text,image]
+eg2 demo-model DST --size tiny|full [--seed N] [--dtype bfloat16|float32]
+eg2 embed [--model DIR] [--dimensions N] INPUT...   text, or image/audio/video file paths
+eg2 bench ...                                 arguments go to eg2_runtime.tools.bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.settings import Settings, describe_default, env_name, flag_name
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for field, info in Settings.model_fields.items():
+        help_text = f"{info.description} [{env_name(field)}; default: {describe_default(field)}]"
+        # `%` in a description would be read as an argparse format
+        help_text = help_text.replace("%", "%%")
+        if typing.get_origin(info.annotation) is None and info.annotation is bool:
+            parser.add_argument(
+                flag_name(field), dest=field, action=argparse.BooleanOptionalAction, help=help_text
+            )
+        else:
+            parser.add_argument(flag_name(field), dest=field, metavar=field.upper(), help=help_text)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags given on the command line win over EG2_* variables, which win over defaults."""
+    given = {f: getattr(args, f) for f in Settings.model_fields if getattr(args, f, None) is not None}
+    return Settings(**given)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from app.logs import setup_logging
+    from app.server import serve
+
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False, include_input=False):
+            where = ".".join(str(p) for p in error["loc"]) or "settings"
+            print(f"eg2 serve: {where}: {error['msg']}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_json)
+    return serve(settings)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from eg2_runtime.tools.quantize import quantize_checkpoint
+
+    kwargs: dict[str, Any] = {}
+    if args.group_size is not None:
+        kwargs["group_size"] = args.group_size
+    if args.modalities is not None:
+        kwargs["modalities"] = [m.strip() for m in args.modalities.split(",") if m.strip()]
+    quantize_checkpoint(Path(args.src), Path(args.dst), **kwargs)
+    return 0
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from eg2_runtime.tools.demo_model import write_demo_model
+
+    kwargs: dict[str, Any] = {"size": args.size, "seed": args.seed}
+    if args.dtype is not None:
+        kwargs["dtype"] = args.dtype
+    write_demo_model(Path(args.dst), **kwargs)
+    return 0
+
+
+def _embed(args: argparse.Namespace) -> int:
+    from eg2_runtime.tools.embed import embed_cli
+
+    model_dir = args.model
+    if model_dir is None:
+        from app.service import DEMO_BANNER, ensure_demo_model
+
+        print(DEMO_BANNER, file=sys.stderr)
+        model_dir = ensure_demo_model(Settings().cache_dir)
+    kwargs: dict[str, Any] = {}
+    if args.dimensions is not None:
+        kwargs["dimensions"] = args.dimensions
+    result = embed_cli(Path(model_dir), list(args.inputs), **kwargs)
+    return result if isinstance(result, int) else 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from eg2_runtime.tools.bench import main as bench_main
+
+    result = bench_main(list(args.argv))
+    return result if isinstance(result, int) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eg2", description="EmbeddingGemma 2 embedding service and tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    _add_settings_flags(serve)
+    serve.set_defaults(run=_serve)
+
+    quantize = sub.add_parser("quantize", help="pack a checkpoint's linear weights to 4 bits")
+    quantize.add_argument("src")
+    quantize.add_argument("dst")
+    quantize.add_argument("--group-size", type=int, choices=(32, 64, 128))
+    quantize.add_argument("--modalities", help="towers to quantize, comma-separated")
+    quantize.set_defaults(run=_quantize)
+
+    demo = sub.add_parser("demo-model", help="write a random-weight checkpoint (for tests and demos)")
+    demo.add_argument("dst")
+    demo.add_argument("--size", choices=("tiny", "full"), required=True)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--dtype", choices=("bfloat16", "float32"))
+    demo.set_defaults(run=_demo_model)
+
+    embed = sub.add_parser("embed", help="embed inputs in-process and print the vectors")
+    embed.add_argument("--model", help="checkpoint directory (default: the demo checkpoint)")
+    embed.add_argument("--dimensions", type=int, choices=(128, 256, 512, 768))
+    embed.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="text, or a path to an image/audio/video file"
+    )
+    embed.set_defaults(run=_embed)
+
+    bench = sub.add_parser("bench", help="benchmark the runtime (see `eg2 bench --help`)", add_help=False)
+    bench.add_argument("argv", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark's own parser, as is
+        return _bench(argparse.Namespace(argv=argv[1:]))
+    args = build_parser().parse_args(argv)
+    code: int = args.run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

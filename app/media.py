@@ -1,0 +1,172 @@
+"""Request items -> runtime Items: decode data: URIs, refuse (or, when enabled, fetch) URLs and paths.
+
+Only transport encodings are undone here (base64, data: URIs, downloads); the media bytes themselves
+are decoded by the runtime (Engine.prepare), which sniffs them, so the MIME subtype is only a hint.
+A data URI whose MIME type names another kind of media (a video in image_url) is refused here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from app.schemas import AudioPartIn, EmbeddingRequest, ImagePartIn, PartIn, TextPartIn, VideoPartIn
+from app.settings import Settings
+from eg2_runtime.errors import InputError, InputTooLargeError, MediaDecodeError, ModalityNotLoadedError
+from eg2_runtime.inputs import Item, MediaKind, MediaPart, Part, TextPart
+
+# MIME subtype (as clients send it) -> the format hint the runtime gets.
+IMAGE_TYPES = {
+    "png": "png",
+    "jpeg": "jpeg",
+    "jpg": "jpeg",
+    "pjpeg": "jpeg",
+    "webp": "webp",
+    "gif": "gif",
+    "bmp": "bmp",
+    "x-ms-bmp": "bmp",
+    "tiff": "tiff",
+}
+VIDEO_TYPES = {
+    "mp4": "mp4",
+    "webm": "webm",
+    "quicktime": "mov",
+    "mov": "mov",
+    "x-matroska": "mkv",
+    "matroska": "mkv",
+    "mkv": "mkv",
+}
+AUDIO_FORMATS = {"wav", "flac", "ogg", "mp3", "m4a", "webm"}
+
+
+def _b64(data: str, param: str) -> bytes:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaDecodeError("media payload is not valid base64", param=param) from None
+    if not raw:
+        raise MediaDecodeError("empty media payload", param=param)
+    return raw
+
+
+def parse_data_uri(url: str, kind: MediaKind, param: str) -> tuple[bytes, str]:
+    """`data:image/png;base64,...` -> (bytes, format hint). Wrong MIME or bad base64 -> 400."""
+    header, comma, payload = url.partition(",")
+    if not comma:
+        raise MediaDecodeError("malformed data URI: no ',' before the payload", param=param)
+    mime, *params = header.removeprefix("data:").split(";")
+    if "base64" not in (p.strip().lower() for p in params):
+        raise MediaDecodeError("data URIs must be base64-encoded (data:<mime>;base64,...)", param=param)
+    major, _, subtype = mime.strip().lower().partition("/")
+    table = IMAGE_TYPES if kind == "image" else VIDEO_TYPES
+    if major != kind or subtype not in table:
+        allowed = ", ".join(sorted({f"{kind}/{s}" for s in table}))
+        raise MediaDecodeError(
+            f"expected a {kind} data URI ({allowed}), got {mime.strip() or 'no type'}", param=param
+        )
+    return _b64(payload, param), table[subtype]
+
+
+class MediaResolver:
+    """Turns a request's parts into runtime Parts, under the server's settings."""
+
+    def __init__(self, settings: Settings, modalities: frozenset[str]) -> None:
+        self._settings = settings
+        self._modalities = modalities
+        self._media_dir = settings.media_dir.resolve() if settings.media_dir else None
+
+    async def items(self, request: EmbeddingRequest) -> list[Item]:
+        items = []
+        for param, parts in request.items():
+            resolved = [
+                await self._part(part, f"{param}[{j}]" if param.endswith(("content", "messages")) else param)
+                for j, part in enumerate(parts)
+            ]
+            items.append(Item(parts=tuple(resolved)))
+        return items
+
+    async def _part(self, part: str | PartIn, param: str) -> Part:
+        if isinstance(part, str):
+            return TextPart(part)
+        if isinstance(part, TextPartIn):
+            return TextPart(part.text)
+        if isinstance(part, AudioPartIn):
+            self._check_loaded("audio", param)
+            audio_format = part.input_audio.format.strip().lower()
+            if audio_format not in AUDIO_FORMATS:
+                raise MediaDecodeError(
+                    f"audio format must be one of {', '.join(sorted(AUDIO_FORMATS))}, got {audio_format!r}",
+                    param=f"{param}.input_audio.format",
+                )
+            return MediaPart("audio", _b64(part.input_audio.data, f"{param}.input_audio.data"), audio_format)
+        kind: MediaKind
+        if isinstance(part, ImagePartIn):
+            kind, url, url_param = "image", part.image_url.url, f"{param}.image_url.url"
+        else:
+            assert isinstance(part, VideoPartIn)
+            kind, url, url_param = "video", part.video_url.url, f"{param}.video_url.url"
+        self._check_loaded(kind, param)
+        data, fmt = await self._fetch(url, kind, url_param)
+        return MediaPart(kind, data, fmt)
+
+    def _check_loaded(self, kind: MediaKind, param: str) -> None:
+        if kind not in self._modalities:
+            loaded = ", ".join(sorted(self._modalities))
+            raise ModalityNotLoadedError(
+                f"{kind} input needs the {kind} tower, which this server did not load (loaded: {loaded})",
+                param=param,
+            )
+
+    async def _fetch(self, url: str, kind: MediaKind, param: str) -> tuple[bytes, str | None]:
+        colon = url.find(":", 0, 12)
+        scheme = url[:colon].lower() if colon > 0 else ""
+        if scheme == "data":
+            return parse_data_uri(url, kind, param)
+        if scheme in ("http", "https"):
+            if not self._settings.allow_remote_urls:
+                raise InputError(
+                    "remote URLs are disabled on this server; send the media inline as a data: URI",
+                    param=param,
+                )
+            return await self._download(url, param), None
+        if scheme == "file" or url.startswith("/"):
+            return await self._read_file(url, param), None
+        raise InputError("expected a data: URI", param=param)
+
+    async def _download(self, url: str, param: str) -> bytes:
+        import httpx  # only needed when an operator enables remote URLs
+
+        limit = self._settings.max_request_bytes
+        try:
+            async with (
+                httpx.AsyncClient(timeout=self._settings.remote_timeout_s, follow_redirects=False) as client,
+                client.stream("GET", url) as response,
+            ):
+                if response.status_code != 200:
+                    raise InputError(f"fetching the URL gave HTTP {response.status_code}", param=param)
+                chunks, size = [], 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > limit:
+                        raise InputTooLargeError(f"remote media over {limit} bytes", param=param)
+                    chunks.append(chunk)
+        except httpx.HTTPError as exc:
+            raise InputError(f"could not fetch the URL ({type(exc).__name__})", param=param) from None
+        return b"".join(chunks)
+
+    async def _read_file(self, url: str, param: str) -> bytes:
+        if self._media_dir is None:
+            raise InputError(
+                "file paths are disabled on this server; send the media inline as a data: URI", param=param
+            )
+        path = Path(unquote(urlsplit(url).path) if url.startswith("file:") else url).resolve()
+        if not path.is_relative_to(self._media_dir) or not path.is_file():
+            # One message for "outside" and "missing": do not reveal what exists outside the media dir.
+            raise InputError("no such file in the server's media directory", param=param)
+        limit = self._settings.max_request_bytes
+        if path.stat().st_size > limit:
+            raise InputTooLargeError(f"media file over {limit} bytes", param=param)
+        return await asyncio.to_thread(path.read_bytes)

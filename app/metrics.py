@@ -1,0 +1,93 @@
+"""Prometheus instruments of one app, in a registry of its own (so several apps can live in one process).
+
+Names follow Prometheus conventions: `_total` counters, `_seconds` and `_bytes` units. Labels stay
+low-cardinality: route templates, status codes, modalities, reasons.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "eg2_requests",
+            "HTTP requests answered, by route template and status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "eg2_queue_depth", "Prepared items waiting for the GPU, by modality", ["modality"], registry=r
+        )
+        self.admitted_items = Gauge(
+            "eg2_admitted_items",
+            "Items admitted and not yet answered (what the admission limit counts)",
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "eg2_batch_size", "Items per GPU batch", ["modality"], buckets=_SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "eg2_batch_tokens", "Token cost per GPU batch", ["modality"], buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.queue_seconds = Histogram(
+            "eg2_queue_seconds",
+            "Time an item waits between preprocessing and the start of its GPU batch",
+            ["modality"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.preprocess_seconds = Histogram(
+            "eg2_preprocess_seconds",
+            "Time to prepare one item (decode, tokenize) on the worker pool",
+            ["modality"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inference_seconds = Histogram(
+            "eg2_inference_seconds",
+            "Time of one GPU batch",
+            ["modality"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "eg2_tokens",
+            "Tokens embedded (soft tokens and markers included), by modality",
+            ["modality"],
+            registry=r,
+        )
+        self.dropped_items = Counter(
+            "eg2_dropped_items",
+            "Prepared items dropped before the GPU because their request had ended (client gone, timeout, "
+            "another item failed)",
+            registry=r,
+        )
+        self.batch_splits = Counter(
+            "eg2_batch_splits",
+            "GPU batches split in halves after a failure, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.weight_bytes = Gauge(
+            "eg2_weight_bytes",
+            "Model weight bytes: resident (packed) and their BF16-equivalent size",
+            ["kind"],
+            registry=r,
+        )
+        self.gpu_allocated_bytes = Gauge(
+            "eg2_gpu_allocated_bytes", "Accelerator memory allocated by the engine (0 on CPU)", registry=r
+        )
+        self.ready = Gauge("eg2_ready", "1 once weights are loaded and warm-up ran, 0 otherwise", registry=r)
+        self.gpu_busy_seconds = Gauge(
+            "eg2_gpu_busy_seconds", "How long the current GPU call has been running (0 when idle)", registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

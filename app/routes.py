@@ -1,0 +1,178 @@
+"""The endpoints: validate -> service -> response, no logic of their own.
+
+Every route is behind the API key (app/middleware.py) except /health and /ready, and /metrics when
+the operator says so. Errors are raised, never returned: app/errors.py answers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Annotated, Any, TypeVar, cast
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import eg2_runtime
+from app.errors import ClientGone, Unavailable, error_body
+from app.media import MediaResolver
+from app.schemas import EmbeddingResponse, ErrorBody, ModelCard, ModelList, encode_embeddings, parse_request
+from app.service import Service, State
+from eg2_runtime.engine import matryoshka
+from eg2_runtime.errors import InputError
+from eg2_runtime.inputs import MATRYOSHKA_DIMS
+
+T = TypeVar("T")
+router = APIRouter()
+
+
+def get_service(request: Request) -> Service:
+    return cast(Service, request.app.state.service)
+
+
+ServiceDep = Annotated[Service, Depends(get_service)]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in {
+        400: "invalid request",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "request too large",
+        429: "overloaded, see Retry-After",
+        503: "loading, draining, timed out or engine failure",
+    }.items()
+}
+# The body is parsed by the route itself (pydantic's JSON parser, with the item limit as context);
+# this documents it in the OpenAPI schema. main.py adds the referenced component.
+_EMBEDDING_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingRequest"}}},
+    }
+}
+
+
+def _check_json(content_type: str | None) -> None:
+    media_type = (content_type or "application/json").split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise InputError("the request body must be JSON (Content-Type: application/json)")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work`, cancelling it if the client goes away first (its items never reach the GPU)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone("the client disconnected")
+    finally:
+        watch.cancel()
+        task.cancel()
+
+
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingResponse,
+    responses=_ERRORS,
+    openapi_extra=_EMBEDDING_BODY,
+    summary="Embed text, images, audio and video",
+)
+@router.post("/embeddings", response_model=EmbeddingResponse, include_in_schema=False)
+async def create_embeddings(request: Request, service: ServiceDep) -> Response:
+    service.check_ready()
+    _check_json(request.headers.get("content-type"))
+    body = parse_request(await request.body(), max_items=service.settings.max_request_items)
+    service.check_model(body.model)
+    options = service.prepare_options(body)
+    items = await MediaResolver(service.settings, service.engine.modalities).items(body)
+    result = await _unless_disconnected(request, service.embed(items, options))
+    vectors = result.vectors
+    if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+        vectors = matryoshka(vectors, body.dimensions)
+    content = encode_embeddings(
+        vectors,
+        encoding_format=body.encoding_format,
+        model=service.settings.served_name,
+        num_tokens=result.num_tokens,
+    )
+    headers = {
+        "x-queue-time-ms": f"{result.queue_s * 1000:.2f}",
+        "x-inference-time-ms": f"{result.inference_s * 1000:.2f}",
+    }
+    return Response(content, media_type="application/json", headers=headers)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+async def list_models(service: ServiceDep) -> ModelList:
+    card = ModelCard(id=service.settings.served_name, created=service.started_at, owned_by="eg2-serve")
+    return ModelList(data=[card])
+
+
+@router.get("/health", responses={503: {"model": ErrorBody}})
+async def health(service: ServiceDep) -> JSONResponse:
+    problem = service.health_problem()
+    if problem is not None:
+        return JSONResponse(error_body(problem, "unavailable"), status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/ready", responses={503: {"model": ErrorBody}})
+async def ready(service: ServiceDep) -> JSONResponse:
+    if service.state is not State.READY:
+        return JSONResponse(error_body(f"not ready: {service.state.value}", "unavailable"), status_code=503)
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+async def metrics(service: ServiceDep) -> Response:
+    service.refresh_metrics()
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/info", responses=_ERRORS)
+async def info(service: ServiceDep) -> dict[str, Any]:
+    if service.state is State.LOADING:
+        raise Unavailable("the model is loading; retry shortly")
+    s = service.settings
+    engine = service.engine
+    return {
+        "model": s.served_name,
+        "aliases": s.aliases,
+        "demo": service.demo,
+        "state": service.state.value,
+        "version": getattr(eg2_runtime, "__version__", None) or _package_version(),
+        "modalities": sorted(engine.modalities),
+        "dimensions": sorted(MATRYOSHKA_DIMS),
+        "prompts": sorted(engine.prompts),
+        "max_text_tokens": engine.max_text_tokens,
+        "limits": {
+            "max_batch_tokens": s.max_batch_tokens,
+            "max_batch_items": s.max_batch_items,
+            "max_queued_items": s.max_queued_items,
+            "max_request_items": s.max_request_items,
+            "max_request_bytes": s.max_request_bytes,
+            "max_image_pixels": s.max_image_pixels,
+            "max_video_seconds": s.max_video_seconds,
+            "request_timeout_s": s.request_timeout_s,
+        },
+        "engine": engine.info(),
+        "memory": engine.memory(),
+    }
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eg2-serve")
+    except PackageNotFoundError:
+        return "unknown"

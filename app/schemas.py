@@ -1,0 +1,336 @@
+"""The /v1/embeddings request and response: shapes and field rules, nothing decoded yet.
+
+An item is a string, one content part (`text`, `image_url`, `input_audio`, `video_url`), or
+`{"content": [parts]}` for one embedding of interleaved parts; the vLLM `messages` form stands in for
+`input` and gives one embedding. The item's shape is chosen by a discriminator on its keys, so an error
+names the one shape the client meant instead of listing every union member. Media payloads stay
+strings here; app/media.py decodes them into runtime Items.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from eg2_runtime.errors import InputError, InputTooLargeError
+from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, MATRYOSHKA_DIMS
+
+_STRICT = ConfigDict(extra="forbid")
+
+
+class TextPartIn(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(BaseModel):
+    model_config = _STRICT
+    url: str = Field(
+        description="data:image/<png|jpeg|webp|gif|bmp|tiff>;base64,... (remote URLs if enabled)"
+    )
+    detail: str | None = Field(
+        None, description="Accepted for OpenAI compatibility; use image_tokens instead."
+    )
+
+
+class ImagePartIn(BaseModel):
+    model_config = _STRICT
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(BaseModel):
+    model_config = _STRICT
+    data: str = Field(description="base64 of the audio file")
+    format: str = Field(description="wav, flac, ogg, mp3, m4a or webm")
+
+
+class AudioPartIn(BaseModel):
+    model_config = _STRICT
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class VideoUrl(BaseModel):
+    model_config = _STRICT
+    url: str = Field(
+        description="data:video/<mp4|webm|quicktime|x-matroska>;base64,... (remote URLs if enabled)"
+    )
+
+
+class VideoPartIn(BaseModel):
+    model_config = _STRICT
+    type: Literal["video_url"]
+    video_url: VideoUrl
+
+
+PartIn = TextPartIn | ImagePartIn | AudioPartIn | VideoPartIn
+_PART_TAGS = {"text", "image_url", "input_audio", "video_url"}
+
+# Union members are picked by a discriminator on the value's shape, so an error names the one shape
+# the client meant. Tags are in angle brackets: pydantic puts them in error locations, and
+# errors.py drops bracketed names from the `param` it reports.
+
+
+def _part_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        tag = value.get("type")
+        return f"<{tag}>" if isinstance(tag, str) and tag in _PART_TAGS else None
+    if isinstance(value, BaseModel):
+        return f"<{getattr(value, 'type', '')}>"
+    return None
+
+
+def _item_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<string>"
+    if isinstance(value, ContentItemIn) or (isinstance(value, dict) and "content" in value):
+        return "<content>"
+    return _part_tag(value)
+
+
+def _string_or_list_tag(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<string>"
+    return "<array>" if isinstance(value, list) else None
+
+
+Part = Annotated[
+    Annotated[TextPartIn, Tag("<text>")]
+    | Annotated[ImagePartIn, Tag("<image_url>")]
+    | Annotated[AudioPartIn, Tag("<input_audio>")]
+    | Annotated[VideoPartIn, Tag("<video_url>")],
+    Discriminator(
+        _part_tag,
+        custom_error_type="invalid_part",
+        custom_error_message="a part is {type: text | image_url | input_audio | video_url, ...}",
+    ),
+]
+
+
+class ContentItemIn(BaseModel):
+    """One embedding of several parts, in order (interleaved text and media)."""
+
+    model_config = _STRICT
+    content: list[Part] = Field(min_length=1)
+
+
+ItemIn = Annotated[
+    Annotated[str, Tag("<string>")]
+    | Annotated[TextPartIn, Tag("<text>")]
+    | Annotated[ImagePartIn, Tag("<image_url>")]
+    | Annotated[AudioPartIn, Tag("<input_audio>")]
+    | Annotated[VideoPartIn, Tag("<video_url>")]
+    | Annotated[ContentItemIn, Tag("<content>")],
+    Discriminator(
+        _item_tag,
+        custom_error_type="invalid_item",
+        custom_error_message="an item is a string, a part {type: text | image_url | input_audio | video_url, "
+        "...}, or {content: [parts]}",
+    ),
+]
+
+InputIn = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[ItemIn], Tag("<array>")],
+    Discriminator(
+        _string_or_list_tag,
+        custom_error_type="invalid_input",
+        custom_error_message="input is a string or an array of items",
+    ),
+]
+
+MessageContent = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[Part], Tag("<array>")],
+    Discriminator(
+        _string_or_list_tag,
+        custom_error_type="invalid_content",
+        custom_error_message="content is a string or an array of parts",
+    ),
+]
+
+
+class Message(BaseModel):
+    """The vLLM chat form; roles are accepted and ignored, contents are concatenated in order."""
+
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant"] = "user"
+    content: MessageContent
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _looks_like_token_ids(value: Any) -> bool:
+    if not isinstance(value, list) or not value:
+        return False
+    return all(_is_int(v) for v in value) or all(
+        isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value
+    )
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"model": "eg2", "input": "hi"}]}
+    )
+
+    model: str | None = Field(None, description="The served name or an alias; another name gets 404.")
+    input: InputIn | None = Field(
+        None, description="A string, or an array of items: one embedding per item, in order."
+    )
+    messages: list[Message] | None = Field(
+        None, min_length=1, description="vLLM form, instead of input: all contents give one embedding."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: little-endian float32 bytes of each vector."
+    )
+    dimensions: int | None = Field(
+        None, description=f"Matryoshka size, one of {', '.join(map(str, MATRYOSHKA_DIMS))}; renormalized."
+    )
+    prompt_name: str | None = Field(
+        None, description="A prompt of the model's config (e.g. query, document)."
+    )
+    prompt: str | None = Field(None, description="A literal prefix; exclusive with prompt_name.")
+    truncate: bool = Field(True, description="Cut over-long text (8192 tokens) and audio (30 s); false: 400.")
+    image_tokens: int = Field(280, description="Soft tokens per image: 70, 140, 280, 560 or 1120.")
+    user: str | None = Field(None, description="Accepted and ignored.")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _refuse_token_ids_and_floods(cls, value: Any, info: ValidationInfo) -> Any:
+        # Raised as runtime errors, not ValueError, so they keep their own status (400 with a hint, 413).
+        if _looks_like_token_ids(value):
+            raise InputError(
+                "token-id input is not supported: ids from another tokenizer would embed garbage; "
+                "send the text instead",
+                param="input",
+            )
+        limit = (info.context or {}).get("max_items")
+        if isinstance(value, list) and limit is not None and len(value) > limit:
+            raise InputTooLargeError(f"too many items: {len(value)} > {limit} per request", param="input")
+        if isinstance(value, list) and not value:
+            raise InputError("input must not be an empty array", param="input")
+        return value
+
+    @field_validator("dimensions")
+    @classmethod
+    def _matryoshka(cls, value: int | None) -> int | None:
+        if value is not None and value not in MATRYOSHKA_DIMS:
+            allowed = ", ".join(map(str, sorted(MATRYOSHKA_DIMS)))
+            raise ValueError(f"dimensions must be one of {allowed}, got {value}")
+        return value
+
+    @field_validator("image_tokens")
+    @classmethod
+    def _image_budget(cls, value: int) -> int:
+        if value not in IMAGE_TOKEN_BUDGETS:
+            raise ValueError(
+                f"image_tokens must be one of {', '.join(map(str, IMAGE_TOKEN_BUDGETS))}, got {value}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EmbeddingRequest:
+        if (self.input is None) == (self.messages is None):
+            raise InputError("give exactly one of input and messages", param="input")
+        if self.prompt is not None and self.prompt_name is not None:
+            raise InputError("give prompt or prompt_name, not both", param="prompt")
+        return self
+
+    def items(self) -> Iterator[tuple[str, list[str | PartIn]]]:
+        """(param path, parts) per embedding, in order; a plain string is one text part."""
+        if self.messages is not None:
+            parts: list[str | PartIn] = []
+            for message in self.messages:
+                parts.extend([message.content] if isinstance(message.content, str) else message.content)
+            yield "messages", parts
+            return
+        if isinstance(self.input, str):
+            yield "input", [self.input]
+            return
+        for i, item in enumerate(self.input or ()):
+            if isinstance(item, ContentItemIn):
+                yield f"input[{i}].content", list(item.content)
+            else:
+                yield f"input[{i}]", [item]
+
+
+def parse_request(body: bytes, *, max_items: int) -> EmbeddingRequest:
+    """Validate a raw JSON body (pydantic's parser: strict UTF-8, bounded nesting)."""
+    return EmbeddingRequest.model_validate_json(body, context={"max_items": max_items})
+
+
+# --- Responses -----------------------------------------------------------------------------------
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[EmbeddingData]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+def encode_embeddings(vectors: np.ndarray, *, encoding_format: str, model: str, num_tokens: int) -> bytes:
+    """The response body, built directly: (N, D) float32 rows -> JSON floats or base64 little-endian f32."""
+    rows: list[Any]
+    if encoding_format == "base64":
+        little = np.ascontiguousarray(vectors, dtype="<f4")
+        rows = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
+    else:
+        rows = vectors.astype(np.float32, copy=False).tolist()
+    body = {
+        "object": "list",
+        "model": model,
+        "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+    }
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()

@@ -1,0 +1,70 @@
+"""Running the app under uvicorn, with a graceful drain on SIGTERM / SIGINT.
+
+uvicorn alone stops listening at the first signal and waits for connections, so /ready never
+reports the drain and new requests are refused at TCP level. Here the first signal only starts the
+service's drain (/ready 503, new requests 503, in-flight ones finish within the drain deadline); the
+server stops when the service says so. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+
+import uvicorn
+
+from app.batcher import EngineLike
+from app.main import create_app
+from app.service import Service
+from app.settings import Settings
+
+log = logging.getLogger("eg2.server")
+
+
+class Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+        self._signalled = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._signalled:
+            log.warning("second signal: stopping now")
+            super().handle_exit(sig, frame)
+            return
+        self._signalled = True  # not recorded by uvicorn, so it is not re-raised: a drained exit is exit 0
+        log.info("signal %d: draining", sig)
+        self.service.begin_drain_threadsafe()
+
+    async def on_tick(self, counter: int) -> bool:
+        return await super().on_tick(counter) or self.service.should_exit
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with port 0)."""
+        return int(self.servers[0].sockets[0].getsockname()[1])
+
+
+def build_server(settings: Settings, engine: EngineLike | None = None) -> Server:
+    app = create_app(settings, engine)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # app/logs.py configured logging
+        access_log=False,  # the request middleware logs each request with its id
+        server_header=False,
+        # After the drain only idle keep-alive connections remain; do not wait on stragglers.
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=5,
+    )
+    return Server(config, app.state.service)
+
+
+def serve(settings: Settings, engine: EngineLike | None = None) -> int:
+    """Run until drained or failed; the process exit code."""
+    server = build_server(settings, engine)
+    server.run()
+    if not server.started:
+        return server.service.exit_code or 1
+    return server.service.exit_code

@@ -1,0 +1,289 @@
+"""The service's lifecycle: load the engine, warm it up, serve, drain, stop.
+
+    loading ──► ready ──► draining ──► (exit 0)
+       └──► failed (exit 1): checkpoint missing or corrupt, warm-up out of memory, demo cache unwritable
+
+Loading runs in the background once the server listens, so /ready can answer 503 meanwhile. The
+server (app/server.py) polls `should_exit` and uses `exit_code`; a signal starts `begin_drain`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from app.batcher import Batcher, Embedded, EngineLike
+from app.errors import ModelNotFound, Unavailable
+from app.metrics import Metrics
+from app.schemas import EmbeddingRequest
+from app.settings import Settings
+from eg2_runtime.errors import EG2Error, InputError
+from eg2_runtime.inputs import Item, PrepareOptions
+
+log = logging.getLogger("eg2.service")
+
+DEMO_BANNER = (
+    "NO MODEL CONFIGURED: serving the tiny DEMO checkpoint with RANDOM weights. Its vectors are "
+    "meaningless (the API, batching and errors all work). Set EG2_MODEL / --model to a real checkpoint."
+)
+
+
+class State(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+class StartupError(Exception):
+    """The server cannot start; the message says why and what to change."""
+
+
+def ensure_demo_model(cache_dir: Path, write: Callable[..., Any] | None = None) -> Path:
+    """The cached tiny demo checkpoint, built on first use (atomically: a crash leaves no half model)."""
+    target = cache_dir / "demo-tiny"
+    if (target / ".complete").exists():
+        return target
+    tmp: Path | None = None
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        if write is None:
+            from eg2_runtime.tools.demo_model import write_demo_model  # pulls in torch
+
+            write = write_demo_model
+        tmp = Path(tempfile.mkdtemp(prefix=".demo-tiny-", dir=cache_dir))
+        write(tmp, size="tiny", seed=0)
+        (tmp / ".complete").touch()
+        if (target / ".complete").exists():  # another process finished first: use theirs
+            return target
+        if target.exists():  # a crashed, incomplete build
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise StartupError(
+            f"cannot build the demo model under {cache_dir}: {reason}. Point EG2_CACHE_DIR (--cache-dir) at a "
+            "writable directory with free space, or EG2_MODEL (--model) at a checkpoint."
+        ) from exc
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_engine(settings: Settings) -> EngineLike:
+    """Engine.from_dir under the settings (blocking: run it off the event loop)."""
+    if settings.model is None:
+        log.warning(DEMO_BANNER)
+        model_dir = ensure_demo_model(settings.cache_dir)
+    else:
+        model_dir = settings.model
+        if not model_dir.is_dir():
+            raise StartupError(f"no checkpoint directory at {model_dir} (EG2_MODEL / --model)")
+    from eg2_runtime.preprocess.limits import MediaLimits  # pulls in torch: only when really loading
+
+    limits = MediaLimits(
+        max_image_pixels=settings.max_image_pixels, max_video_seconds=settings.max_video_seconds
+    )
+    # Imported by name until eg2_runtime.engine.Engine lands; then a plain import.
+    engine_cls = importlib.import_module("eg2_runtime.engine").Engine
+    engine: EngineLike = engine_cls.from_dir(
+        model_dir,
+        device=settings.device,
+        modalities=None if settings.modalities is None else frozenset(settings.modalities),
+        limits=limits,
+    )
+    return engine
+
+
+class Service:
+    """Owns the engine and the batcher of one app."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, engine: EngineLike | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.demo = settings.model is None and engine is None
+        self.started_at = int(time.time())
+        self.state = State.LOADING
+        self.failure: str | None = None
+        self.should_exit = False  # polled by the server loop
+        self.exit_code = 0
+        self.active = 0  # embedding requests admitted past the readiness gate, not yet answered
+        self._engine = engine
+        self._batcher: Batcher | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def engine(self) -> EngineLike:
+        if self._engine is None or self.state is State.LOADING:
+            raise Unavailable("the model is loading; retry shortly", headers={"retry-after": "5"})
+        return self._engine
+
+    @property
+    def batcher(self) -> Batcher | None:
+        return self._batcher
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Called by the lifespan once the event loop runs: boots in the background."""
+        self._loop = asyncio.get_running_loop()
+        self._spawn(self._boot())
+
+    async def _boot(self) -> None:
+        try:
+            if self._engine is None:
+                self._engine = await asyncio.to_thread(load_engine, self.settings)
+            s = self.settings
+            self._batcher = Batcher(
+                self._engine,
+                self.metrics,
+                max_batch_tokens=s.max_batch_tokens,
+                max_batch_items=s.max_batch_items,
+                max_queue_delay_s=s.max_queue_delay_ms / 1000,
+                max_queued_items=s.max_queued_items,
+                preprocess_workers=s.preprocess_workers,
+                stall_timeout_s=s.stall_timeout_s,
+            )
+            self._batcher.start()
+            await self._batcher.warmup()
+            self._publish_memory()
+        except (StartupError, EG2Error) as exc:
+            self._fail(getattr(exc, "message", None) or str(exc))
+            return
+        except Exception as exc:
+            log.exception("startup failed")
+            self._fail(f"{type(exc).__name__}: {exc}")
+            return
+        if self.state is State.LOADING:
+            self.state = State.READY
+            self.metrics.ready.set(1)
+            log.info("ready", extra={"modalities": sorted(self._engine.modalities), "demo": self.demo})
+            if self.demo:
+                log.warning(DEMO_BANNER)
+
+    def _fail(self, reason: str) -> None:
+        log.error("cannot start: %s", reason)
+        self.failure = reason
+        self.state = State.FAILED
+        self.exit_code = 1
+        self.should_exit = True
+
+    def begin_drain(self) -> None:
+        """Stop taking work, finish what is in flight (bounded by the drain deadline), then exit."""
+        if self.state in (State.DRAINING, State.FAILED):
+            return
+        self.state = State.DRAINING
+        self.metrics.ready.set(0)
+        log.info("draining", extra={"in_flight": self.active, "deadline_s": self.settings.drain_deadline_s})
+        self._spawn(self._drain())
+
+    def begin_drain_threadsafe(self) -> None:
+        """From a signal handler or another thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.begin_drain)
+        else:
+            self.should_exit = True
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.settings.drain_deadline_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.active:
+            log.warning("drain deadline passed; failing what is left", extra={"in_flight": self.active})
+            if self._batcher is not None:
+                self._batcher.abort(Unavailable("the server is shutting down"))
+            grace = time.monotonic() + 1.0
+            while self.active and time.monotonic() < grace:
+                await asyncio.sleep(0.01)
+        log.info("drained")
+        self.should_exit = True
+
+    async def stop(self) -> None:
+        """Called by the lifespan on shutdown."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._batcher is not None:
+            await self._batcher.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- serving -------------------------------------------------------------------------------
+
+    def check_ready(self) -> None:
+        if self.state is State.READY:
+            return
+        if self.state is State.DRAINING:
+            raise Unavailable("the server is shutting down", headers={"connection": "close"})
+        if self.state is State.FAILED:
+            raise Unavailable("the server failed to start")
+        raise Unavailable("the model is loading; retry shortly", headers={"retry-after": "5"})
+
+    def check_model(self, name: str | None) -> None:
+        s = self.settings
+        if name is not None and name != s.served_name and name not in s.aliases:
+            raise ModelNotFound(
+                f"the model {name!r} does not exist; this server serves {s.served_name!r}", param="model"
+            )
+
+    def prepare_options(self, request: EmbeddingRequest) -> PrepareOptions:
+        prompt = request.prompt
+        if request.prompt_name is not None:
+            prompts = self.engine.prompts
+            if request.prompt_name not in prompts:
+                known = ", ".join(sorted(prompts)) or "none"
+                raise InputError(
+                    f"unknown prompt_name {request.prompt_name!r}; known: {known}", param="prompt_name"
+                )
+            prompt = prompts[request.prompt_name]
+        return PrepareOptions(prompt=prompt, truncate=request.truncate, image_tokens=request.image_tokens)
+
+    async def embed(self, items: list[Item], options: PrepareOptions) -> Embedded:
+        self.check_ready()
+        assert self._batcher is not None
+        self.active += 1
+        try:
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                return await self._batcher.embed(items, options)
+        except TimeoutError:
+            raise Unavailable(f"request timed out after {self.settings.request_timeout_s:g} s") from None
+        finally:
+            self.active -= 1
+
+    def health_problem(self) -> str | None:
+        if self.state is State.FAILED:
+            return f"startup failed: {self.failure}"
+        return self._batcher.problem() if self._batcher is not None else None
+
+    def _publish_memory(self) -> None:
+        if self._engine is None:
+            return
+        memory = self._engine.memory()
+        self.metrics.weight_bytes.labels("resident").set(memory.get("weight_bytes_resident", 0))
+        self.metrics.weight_bytes.labels("bf16_equivalent").set(memory.get("weight_bytes_bf16_equivalent", 0))
+        self.metrics.gpu_allocated_bytes.set(memory.get("gpu_allocated_bytes", 0))
+
+    def refresh_metrics(self) -> None:
+        """Gauges read at scrape time."""
+        if self.state is not State.LOADING:
+            self._publish_memory()
+        if self._batcher is not None:
+            self.metrics.gpu_busy_seconds.set(self._batcher.stalled_for())

@@ -1,0 +1,266 @@
+"""Service settings: every knob an operator turns, from `EG2_*` environment variables or `eg2 serve` flags.
+
+One `Settings` object is built at start and passed down; nothing else in the project reads os.environ.
+Each field's description states what it does and what it trades; `eg2 serve --help` and the settings
+table in docs/SERVICE.md are generated from these descriptions (`markdown_table`).
+Architecture parameters are not here: they come from the checkpoint's config.json (eg2_runtime.config).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ModalityName = Literal["text", "image", "audio", "video"]
+
+
+def _split_csv(value: Any) -> Any:
+    """`a,b , c` -> ["a", "b", "c"]: lists are comma-separated in env vars and flags, not JSON."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+CsvList = Annotated[list[str], NoDecode, BeforeValidator(_split_csv)]
+CsvModalities = Annotated[list[ModalityName] | None, NoDecode, BeforeValidator(_split_csv)]
+
+
+def _default_workers() -> int:
+    # Preprocessing (decode, resize, resample, tokenize) is CPU-bound and releases the GIL in the
+    # codecs; more threads than cores only adds contention.
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EG2_", extra="forbid", frozen=True, validate_default=True)
+
+    # --- The model -------------------------------------------------------------------------------
+    model: Path | None = Field(
+        default=None,
+        description="Checkpoint directory (config.json + safetensors). Unset: serve a tiny demo checkpoint "
+        "with random weights, built once under cache_dir: the API works, the vectors mean nothing.",
+    )
+    served_name: str = Field(
+        default="eg2",
+        min_length=1,
+        description="The model name /v1/models lists and requests may send; another name gets 404.",
+    )
+    aliases: CsvList = Field(
+        default=[],
+        description="Other names accepted in `model` (comma-separated), e.g. the Hugging Face repo id, so "
+        "clients configured for it work unchanged. Not listed by /v1/models.",
+    )
+    device: str = Field(
+        default="auto",
+        description="`auto` (CUDA when present, else CPU), `cuda`, `cuda:N` or `cpu`.",
+    )
+    modalities: CsvModalities = Field(
+        default=None,
+        description="Towers to load (comma-separated: text,image,audio,video). Unset: every tower in the "
+        "checkpoint. `text` alone loads the 270M text encoder only: less memory and a faster start, "
+        "and media requests get 400.",
+    )
+    cache_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".cache" / "eg2",
+        description="Where the demo checkpoint is built and cached. Must be writable when `model` is unset.",
+    )
+
+    # --- Batching --------------------------------------------------------------------------------
+    max_batch_tokens: int = Field(
+        default=16384,
+        ge=1,
+        description="Token budget of one forward pass (sum of item costs, media soft tokens included). "
+        "Larger: better GPU utilisation and throughput, more activation memory and a longer wait for "
+        "the items in the batch. Warm-up runs a full batch of each modality, so a value too large for "
+        "the GPU fails at start, not under traffic. An item larger than the budget runs alone.",
+    )
+    max_batch_items: int = Field(
+        default=64,
+        ge=1,
+        description="Most items in one forward pass. Caps per-item overhead (image and audio towers run "
+        "per item) independently of the token budget.",
+    )
+    max_queue_delay_ms: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long the oldest waiting item may wait for companions before its batch runs while "
+        "the GPU is idle. Larger: fuller batches at low load, added latency; 0 runs at once.",
+    )
+    preprocess_workers: int = Field(
+        default_factory=_default_workers,
+        ge=1,
+        description="Threads that decode and tokenize (engine.prepare), overlapping with the GPU. More: media "
+        "decoding keeps up with a fast GPU; each holds a decoded item in memory. Default: cores, at most 8.",
+    )
+
+    # --- Admission and request limits ------------------------------------------------------------
+    max_queued_items: int = Field(
+        default=4096,
+        ge=1,
+        description="Admission limit: items accepted and not yet answered. Past it, requests get 429 with "
+        "Retry-After at once instead of queueing. Larger absorbs bursts but lets latency and memory "
+        "grow (a waiting image holds its pixels).",
+    )
+    max_request_items: int = Field(
+        default=2048,
+        ge=1,
+        description="Most items in one request (OpenAI allows 2048); more gets 413.",
+    )
+    max_request_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body in bytes (base64 media included); checked against Content-Length "
+        "and while streaming, so an oversized body gets 413 before it is read. The body is held in "
+        "memory, so this times concurrency bounds the memory requests can take.",
+    )
+    max_image_pixels: int = Field(
+        default=40_000_000,
+        ge=1,
+        description="Largest decoded image (width x height); more gets 413. Guards against decompression bombs; "
+        "images are resized to the model's input anyway.",
+    )
+    max_video_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="Longest video accepted (from container metadata, before decoding); more gets 413. Every "
+        "frame up to the last sampled one is decoded, so decode time grows with duration: this bounds "
+        "CPU time per video. Audio needs no limit: only its first 30 s is ever decoded.",
+    )
+    request_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest a request may take from admission to its vectors; then 503 and its items are "
+        "dropped. Shorter frees capacity sooner under overload; too short fails big batches on CPU.",
+    )
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Longest a client may take to send its request body; then 408 and the connection is "
+        "closed. Defends against slow-body (slowloris) clients holding connections; too short hurts "
+        "large uploads on slow links.",
+    )
+
+    # --- Lifecycle -------------------------------------------------------------------------------
+    drain_deadline_s: float = Field(
+        default=20.0,
+        ge=0,
+        description="On SIGTERM: /ready turns 503, new requests get 503, in-flight ones get this long to "
+        "finish before the process exits anyway. Keep it below the orchestrator's grace period "
+        "(Kubernetes: 30 s; compose: stop_grace_period).",
+    )
+    stall_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="/health turns 503 when one GPU call has run longer than this (a wedged device or driver). "
+        "Too short restarts a healthy server that is running a huge batch on CPU.",
+    )
+
+    # --- Security --------------------------------------------------------------------------------
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="When set, every route but /health and /ready requires `Authorization: Bearer <key>` "
+        "(compared in constant time). Prefer the environment variable over the flag: flags show in `ps`.",
+    )
+    metrics_require_key: bool = Field(
+        default=True,
+        description="Whether /metrics needs the API key too. Off lets a Prometheus without credentials scrape "
+        "it, at the price of exposing traffic volumes.",
+    )
+    cors_origins: CsvList = Field(
+        default=[],
+        description="Browser origins allowed to call the API (comma-separated, `*` for any). Empty: no CORS "
+        "headers, browsers on other origins are refused.",
+    )
+    allow_remote_urls: bool = Field(
+        default=False,
+        description="Fetch `http(s)://` media URLs. Off: only inline `data:` URIs. On lets any client make the "
+        "server fetch any URL, internal addresses included (SSRF): enable behind a trusted network only.",
+    )
+    media_dir: Path | None = Field(
+        default=None,
+        description="A directory whose files (`file://` URLs or absolute paths inside it) clients may name as "
+        "media. Unset: file paths are refused. Anything readable in it is readable by every client.",
+    )
+    remote_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Timeout of one remote media fetch (when allow_remote_urls is on).",
+    )
+
+    # --- Server ----------------------------------------------------------------------------------
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface to listen on. 127.0.0.1 serves this machine only; 0.0.0.0 every interface "
+        "(the Docker image sets it).",
+    )
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port (0 picks a free one).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log verbosity."
+    )
+    log_json: bool = Field(
+        default=True,
+        description="One JSON object per log line (with the request id), for log shippers; off prints plain "
+        "text for a terminal.",
+    )
+
+    @field_validator("api_key", "model", "media_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # `EG2_API_KEY=` (e.g. an unset compose variable) must mean "no key", not "the empty key";
+        # `EG2_MODEL=` means "no model" (the demo), not the current directory.
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _some_modality(cls, value: list[ModalityName] | None) -> list[ModalityName] | None:
+        return sorted(set(value)) if value else None
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Settings:
+        if self.max_request_items > self.max_queued_items:
+            raise ValueError(
+                f"max_request_items ({self.max_request_items}) must not exceed max_queued_items "
+                f"({self.max_queued_items}): such a request could never be admitted"
+            )
+        return self
+
+
+def env_name(field: str) -> str:
+    return f"EG2_{field.upper()}"
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def describe_default(field: str) -> str:
+    info = Settings.model_fields[field]
+    if field == "preprocess_workers":
+        return "cores, at most 8"
+    if field == "cache_dir":
+        return "~/.cache/eg2"
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(value) if value else "none"
+    return str(value)
+
+
+def markdown_table() -> str:
+    """The settings table of docs/SERVICE.md, generated from the field descriptions."""
+    rows = ["| flag / env var | default | what it does, and the trade-off |", "|---|---|---|"]
+    for field, info in Settings.model_fields.items():
+        description = (info.description or "").replace("|", "\\|")
+        rows.append(
+            f"| `{flag_name(field)}` `{env_name(field)}` | {describe_default(field)} | {description} |"
+        )
+    return "\n".join(rows) + "\n"

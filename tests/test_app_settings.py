@@ -1,0 +1,146 @@
+"""Settings (EG2_* variables and `eg2 serve` flags), the `eg2` CLI wiring, and the docs that describe them."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from app import cli
+from app.settings import Settings, env_name, flag_name, markdown_table
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("EG2_"):
+            monkeypatch.delenv(key)
+
+
+def test_defaults_are_safe() -> None:
+    s = Settings()
+    assert s.host == "127.0.0.1" and s.port == 8000
+    assert s.api_key is None and s.cors_origins == [] and not s.allow_remote_urls and s.media_dir is None
+    assert s.model is None and s.max_queue_delay_ms <= 5
+    assert s.max_request_items <= s.max_queued_items
+
+
+def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EG2_MODEL", "/models")
+    monkeypatch.setenv("EG2_MAX_BATCH_TOKENS", "2048")
+    monkeypatch.setenv("EG2_MODALITIES", "text, image")
+    monkeypatch.setenv("EG2_CORS_ORIGINS", "https://a.example,https://b.example")
+    monkeypatch.setenv("EG2_ALLOW_REMOTE_URLS", "true")
+    monkeypatch.setenv("EG2_API_KEY", "k")
+    s = Settings()
+    assert s.model == Path("/models") and s.max_batch_tokens == 2048
+    assert s.modalities == ["image", "text"]
+    assert s.cors_origins == ["https://a.example", "https://b.example"]
+    assert s.allow_remote_urls and s.api_key is not None and s.api_key.get_secret_value() == "k"
+
+
+def test_empty_variables_mean_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EG2_API_KEY", "")
+    monkeypatch.setenv("EG2_MODEL", "")
+    s = Settings()
+    assert s.api_key is None and s.model is None
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EG2_PORT", "9000")
+    monkeypatch.setenv("EG2_LOG_JSON", "true")
+    args = cli.build_parser().parse_args(
+        ["serve", "--port", "8123", "--no-log-json", "--aliases", "a,b", "--max-queue-delay-ms", "0.5"]
+    )
+    s = cli.settings_from_args(args)
+    assert s.port == 8123 and s.log_json is False and s.aliases == ["a", "b"] and s.max_queue_delay_ms == 0.5
+    assert cli.settings_from_args(cli.build_parser().parse_args(["serve"])).port == 9000
+
+
+def test_every_setting_is_a_flag() -> None:
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for field in Settings.model_fields:
+        assert flag_name(field) in help_text and env_name(field) in help_text, field
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_batch_tokens": 0},
+        {"modalities": "text,smell"},
+        {"max_request_items": 10, "max_queued_items": 5},
+        {"port": 70000},
+        {"not_a_setting": 1},
+        {"log_level": "loud"},
+    ],
+)
+def test_bad_settings_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**bad)
+
+
+def test_serve_reports_bad_settings_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--max-batch-tokens", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "max_batch_tokens" in err and "Traceback" not in err
+
+
+def test_secret_is_not_in_repr_or_dump() -> None:
+    s = Settings(api_key="sk-very-secret")
+    assert "sk-very-secret" not in repr(s) and "sk-very-secret" not in str(s.model_dump(mode="json"))
+
+
+def test_docs_settings_table_is_current() -> None:
+    """docs/SERVICE.md carries the table generated from the field descriptions, verbatim."""
+    assert markdown_table() in (REPO / "docs" / "SERVICE.md").read_text()
+
+
+# --- the runtime tools behind the CLI --------------------------------------------------------------
+
+
+def fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> list[tuple[Any, ...]]:
+    calls: list[tuple[Any, ...]] = []
+    module = types.ModuleType(name)
+    for attr, result in attrs.items():
+
+        def fn(*args: Any, _attr: str = attr, _result: Any = result, **kwargs: Any) -> Any:
+            calls.append((_attr, args, kwargs))
+            return _result
+
+        setattr(module, attr, fn)
+    monkeypatch.setitem(sys.modules, name, module)
+    return calls
+
+
+def test_quantize_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_module(monkeypatch, "eg2_runtime.tools.quantize", quantize_checkpoint=None)
+    assert cli.main(["quantize", "src", "dst", "--group-size", "64"]) == 0
+    assert calls == [("quantize_checkpoint", (Path("src"), Path("dst")), {"group_size": 64})]
+    with pytest.raises(SystemExit):
+        cli.main(["quantize", "src", "dst", "--group-size", "48"])
+
+
+def test_demo_model_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_module(monkeypatch, "eg2_runtime.tools.demo_model", write_demo_model=None)
+    assert cli.main(["demo-model", "out", "--size", "tiny", "--seed", "3", "--dtype", "float32"]) == 0
+    assert calls == [("write_demo_model", (Path("out"),), {"size": "tiny", "seed": 3, "dtype": "float32"})]
+
+
+def test_embed_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_module(monkeypatch, "eg2_runtime.tools.embed", embed_cli=0)
+    assert cli.main(["embed", "--model", "m", "--dimensions", "256", "hello", "cat.png"]) == 0
+    assert calls == [("embed_cli", (Path("m"), ["hello", "cat.png"]), {"dimensions": 256})]
+
+
+def test_bench_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = fake_module(monkeypatch, "eg2_runtime.tools.bench", main=3)
+    assert cli.main(["bench", "--model", "m", "--batch", "8"]) == 3
+    assert calls == [("main", (["--model", "m", "--batch", "8"],), {})]
