@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import importlib
 import logging
 import os
 import shutil
@@ -96,15 +95,19 @@ def load_engine(settings: Settings) -> EngineLike:
     limits = MediaLimits(
         max_image_pixels=settings.max_image_pixels, max_video_seconds=settings.max_video_seconds
     )
-    # Imported by name until eg2_runtime.engine.Engine lands; then a plain import.
-    engine_cls = importlib.import_module("eg2_runtime.engine").Engine
-    engine: EngineLike = engine_cls.from_dir(
+    from eg2_runtime.engine import Engine  # pulls in torch: only when really loading
+
+    engine: EngineLike = Engine.from_dir(
         model_dir,
         device=settings.device,
         modalities=None if settings.modalities is None else frozenset(settings.modalities),
         limits=limits,
+        pack=settings.pack,
     )
     return engine
+
+
+GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
 
 
 class Service:
@@ -135,6 +138,13 @@ class Service:
     def batcher(self) -> Batcher | None:
         return self._batcher
 
+    def batch_tokens(self) -> int:
+        """The token budget: the setting, else a default for where the engine runs."""
+        if self.settings.max_batch_tokens is not None:
+            return self.settings.max_batch_tokens
+        on_gpu = self._engine is not None and self._engine.memory().get("gpu_allocated_bytes", 0) > 0
+        return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
+
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -150,7 +160,7 @@ class Service:
             self._batcher = Batcher(
                 self._engine,
                 self.metrics,
-                max_batch_tokens=s.max_batch_tokens,
+                max_batch_tokens=self.batch_tokens(),
                 max_batch_items=s.max_batch_items,
                 max_queue_delay_s=s.max_queue_delay_ms / 1000,
                 max_queued_items=s.max_queued_items,

@@ -9,12 +9,27 @@ carries are opaque to it. Vectors come back as unit-norm float32 numpy rows; `ma
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
-from eg2_runtime.inputs import MATRYOSHKA_DIMS, Modality
+from eg2_runtime.errors import EngineOutOfMemory
+from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, MATRYOSHKA_DIMS, Item, MediaPart, Modality, PrepareOptions, TextPart
+from eg2_runtime.loader import LoadReport, load_model
+from eg2_runtime.model import ALL_MODALITIES, EG2Model
+from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,3 +47,170 @@ def matryoshka(vectors: np.ndarray, dim: int) -> np.ndarray:
     cut = vectors[:, :dim].astype(np.float32, copy=True)
     cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
     return cut
+
+
+class Engine:
+    """A loaded model with its preprocessor. Build it with `Engine.from_dir`."""
+
+    def __init__(self, model: EG2Model, report: LoadReport, preprocessor: Preprocessor, model_dir: Path) -> None:
+        self.model = model
+        self.report = report
+        self.preprocessor = preprocessor
+        self.model_dir = model_dir
+        self.device = model.language_model.embed_tokens.weight.device
+        self.modalities = frozenset(model.modalities)
+        self.prompts = dict(preprocessor.prompts.prompts)
+        self.max_text_tokens = preprocessor.max_tokens
+        self._digest: str | None = None
+        self._digest_lock = threading.Lock()
+
+    @classmethod
+    def from_dir(
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        modalities: Iterable[str] | None = None,
+        pack: bool = False,
+        group_size: int = 128,
+        limits: MediaLimits | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Engine:
+        """Load the towers for `modalities` (all the checkpoint has when None; text is always on).
+
+        `pack`: serve a BF16 checkpoint's tower Linears as int4, quantized at load time.
+        """
+        model_dir = Path(model_dir)
+        wanted = frozenset(modalities) if modalities is not None else ALL_MODALITIES
+        t0 = time.perf_counter()
+        from eg2_runtime.config import ModelConfig
+
+        config = ModelConfig.from_dir(model_dir)
+        if modalities is None:  # everything the checkpoint has
+            wanted = frozenset({"text"} | ({"image", "video"} if config.vision else set()) | ({"audio"} if config.audio else set()))
+        model, report = load_model(model_dir, device, wanted, dtype=dtype, pack=pack, group_size=group_size)
+        media = sorted(model.modalities - {"text"})
+        pre = Preprocessor.from_dir(model_dir, config, limits=limits, modalities=media)  # type: ignore[arg-type]
+        log.info("engine ready in %.1f s on %s: %s", time.perf_counter() - t0, device, report.summary())
+        return cls(model, report, pre, model_dir)
+
+    # ---- CPU side: any thread -------------------------------------------------------------------
+
+    def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
+        prepared = self.preprocessor.prepare(item, options)
+        return PreparedItem(prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared)
+
+    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
+        """A full-size batch per loaded modality, so an out-of-memory shows at boot, not under load."""
+        from eg2_runtime.tools import samples
+
+        longest = max(IMAGE_TOKEN_BUDGETS)
+        biggest: dict[str, tuple[Item, PrepareOptions]] = {
+            "text": (Item((TextPart("warm up " * self.max_text_tokens),)), PrepareOptions()),
+            "image": (Item((MediaPart("image", samples.png(1280, 960)),)), PrepareOptions(image_tokens=longest)),
+            "audio": (Item((MediaPart("audio", samples.wav(30.0)),)), PrepareOptions()),
+            "video": (Item((MediaPart("video", samples.mp4(32)),)), PrepareOptions()),
+        }
+        batches = []
+        for modality, (item, options) in biggest.items():
+            if modality not in self.modalities:
+                continue
+            one = self.prepare(item, options)
+            n = max(1, min(max_batch_items, max_batch_tokens // one.cost))
+            batches.append([one] * n)
+        return batches
+
+    # ---- accelerator side: one thread -----------------------------------------------------------
+
+    @torch.inference_mode()
+    def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
+        """(B, 768) float32 unit vectors, in batch order."""
+        inputs = collate([p.inputs for p in batch], self.model.config.text.pad_token_id)
+        inputs = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        try:
+            vectors = self.model(**inputs)
+        except torch.OutOfMemoryError as e:
+            del inputs
+            torch.cuda.empty_cache()  # the engine stays usable: the caller retries smaller batches
+            raise EngineOutOfMemory(f"out of accelerator memory on a batch of {len(batch)}") from e
+        return vectors.cpu().numpy()
+
+    # ---- reports --------------------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        r = self.report
+        return {
+            "model_dir": self.model_dir.name,
+            "weights_sha256": self.weights_digest(),
+            "device": str(self.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "modalities": sorted(self.modalities),
+            "dimensions": list(MATRYOSHKA_DIMS),
+            "max_text_tokens": self.max_text_tokens,
+            "quantization": {
+                "format": "compressed-tensors pack-quantized int4" if r.packed_total else None,
+                "group_size": r.group_size,
+                "packed_layers": dict(r.packed),
+                "dense_tensors": r.dense_tensors,
+                "resident_bytes": r.resident_bytes,
+                "bf16_equivalent_bytes": r.bf16_bytes,
+                "summary": r.summary(),
+            },
+            "version": _version(),
+        }
+
+    def memory(self) -> dict[str, int]:
+        on_gpu = self.device.type == "cuda"
+        return {
+            "weight_bytes_resident": self.report.resident_bytes,
+            "weight_bytes_bf16_equivalent": self.report.bf16_bytes,
+            "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if on_gpu else 0,
+        }
+
+    def weights_digest(self) -> str:
+        """sha256 of the weight files, computed once (a 0.8 GB file takes a few seconds)."""
+        with self._digest_lock:
+            if self._digest is None:
+                h = hashlib.sha256()
+                for f in sorted(self.model_dir.glob("*.safetensors")):
+                    with f.open("rb") as fh:
+                        while chunk := fh.read(1 << 22):
+                            h.update(chunk)
+                self._digest = h.hexdigest()
+            return self._digest
+
+
+def collate(items: Sequence[Prepared], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prepared items -> one padded batch of model inputs.
+
+    Text is right-padded with the pad id (attention_mask 0). Media of all items are concatenated in
+    item order, which is the order their placeholders appear in the flattened (B, T) ids. Images with
+    different soft-token budgets are padded to the largest patch count with empty patches (-1
+    positions), and audio to the longest clip (mask 0): neither changes a valid output.
+    """
+    t = max(p.input_ids.shape[0] for p in items)
+    ids = torch.full((len(items), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(items), t), dtype=torch.long)
+    for i, p in enumerate(items):
+        ids[i, : p.input_ids.shape[0]] = p.input_ids
+        mask[i, : p.input_ids.shape[0]] = 1
+    out = {"input_ids": ids, "attention_mask": mask}
+    for pixels, positions in (("pixel_values", "image_position_ids"), ("pixel_values_videos", "video_position_ids")):
+        chunks = [(getattr(p, pixels), getattr(p, positions)) for p in items if getattr(p, pixels) is not None]
+        if chunks:
+            s = max(v.shape[1] for v, _ in chunks)
+            out[pixels] = torch.cat([F.pad(v, (0, 0, 0, s - v.shape[1])) for v, _ in chunks])
+            out[positions] = torch.cat([F.pad(q, (0, 0, 0, s - q.shape[1]), value=-1) for _, q in chunks])
+    audio = [(p.input_features, p.input_features_mask) for p in items if p.input_features is not None]
+    if audio:
+        f = max(x.shape[1] for x, _ in audio)
+        out["input_features"] = torch.cat([F.pad(x, (0, 0, 0, f - x.shape[1])) for x, _ in audio])
+        out["input_features_mask"] = torch.cat([F.pad(m, (0, f - m.shape[1])) for _, m in audio])  # type: ignore[misc]
+    return out
+
+
+def _version() -> str:
+    try:
+        return version("eg2-serve")
+    except PackageNotFoundError:
+        return "0.0.0+source"
