@@ -1,0 +1,17 @@
+"""Preprocessing: what a client sent (an `Item`) -> the model inputs the reference processor would build.
+
+text.py          tokenizer.json (tokenizers library), task prompts
+image.py         decode, EXIF, RGB, resize to the soft-token budget, patches and positions
+audio.py         decode, downmix, resample to 16 kHz, log-mel features and mask
+video.py         decode, 1 fps sampling (<= 32 frames), per-frame patches
+layout.py        the token sequence: markers, placeholders, truncation; `Prepared`
+preprocessor.py  `Preprocessor`: all of the above for one model directory
+limits.py        `MediaLimits`: size limits checked before decoding
+bench.py         throughput on this CPU (`python -m eg2_runtime.preprocess.bench --model DIR`)
+"""
+
+from eg2_runtime.preprocess.layout import Prepared
+from eg2_runtime.preprocess.limits import MediaLimits
+from eg2_runtime.preprocess.preprocessor import Preprocessor, prepare_item
+
+__all__ = ["MediaLimits", "Prepared", "Preprocessor", "prepare_item"]

@@ -1,0 +1,330 @@
+"""Audio: bytes -> 16 kHz mono float32 (at most 30 s) -> log-mel features and their frame mask.
+
+Decoding: WAV / FLAC / OGG / AIFF through soundfile (libsndfile), MP3 / M4A / WebM (and what soundfile
+cannot read) through PyAV, restricted to those demuxers. Channels are averaged to mono and the result
+resampled with soxr (a band-limited polyphase resampler). The reference feature extractor does not
+resample (it silently reads 44.1 kHz samples as 16 kHz ones), so the resampling is ours; the features
+are then the reference's for that 16 kHz waveform. Only the first 30 s (plus a little filter margin) is
+ever decoded, which bounds memory and time whatever a header claims.
+
+Features: transformers' `Gemma4AudioFeatureExtractor` with the checkpoint's config: pad to a multiple
+of 128 samples, prepend 160 zeros, 321-sample windows every 160 (first 320 used), periodic Hann in
+float32, |rfft(512)|, HTK mel (128 bins, 0-8 kHz, no norm), log(mel + 0.001). A frame is valid when its
+whole window lies in real audio; invalid frames are zeroed.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from eg2_runtime.errors import InputTooLargeError, InputTooLongError, MediaDecodeError
+from eg2_runtime.preprocess import containers
+from eg2_runtime.preprocess.limits import MediaLimits, reason
+
+SAMPLE_RATE = 16_000
+MAX_SAMPLES = 480_000  # 30 s: the feature extractor's max_length
+# Decoded past 30 s so the resampler's filter has real signal at the cut; 0.25 s >> soxr's filter length.
+_MARGIN_SECONDS = 0.25
+_SOUNDFILE_MAGIC = (b"RIFF", b"RF64", b"fLaC", b"OggS", b"FORM")
+# PyAV demuxers we accept; anything else FFmpeg might guess from the bytes is refused.
+_AV_FORMATS = {"mp3", containers.MP4, containers.MATROSKA, "ogg", "wav", "flac", "aac"}
+_BLOCK = 65_536  # frames per soundfile read: channels are averaged per block to bound memory
+_UNKNOWN_FRAMES = 2**62  # libsndfile reports SF_COUNT_MAX frames when a length is unknown
+
+
+@dataclass(frozen=True)
+class MelConfig:
+    """The feature extractor's settings (preprocessor / processor config); defaults are the checkpoint's."""
+
+    feature_size: int = 128
+    sampling_rate: int = SAMPLE_RATE
+    frame_length: int = 320  # 20 ms
+    hop_length: int = 160  # 10 ms
+    min_frequency: float = 0.0
+    max_frequency: float = 8000.0
+    mel_floor: float = 1e-3
+    pad_to_multiple_of: int = 128
+    per_bin_mean: tuple[float, ...] | None = None
+    per_bin_stddev: tuple[float, ...] | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MelConfig:
+        """From a `feature_extractor` config dict; refuses settings this implementation does not do."""
+        unsupported = {
+            "preemphasis": d.get("preemphasis", 0.0) != 0.0,
+            "dither": d.get("dither", 0.0) != 0.0,
+            "fft_overdrive": bool(d.get("fft_overdrive", False)),
+            "input_scale_factor": d.get("input_scale_factor", 1.0) != 1.0,
+        }
+        if bad := [k for k, v in unsupported.items() if v]:
+            raise ValueError(f"audio feature extractor settings not supported: {bad}")
+        rate = int(d.get("sampling_rate", SAMPLE_RATE))
+        mean, std = d.get("per_bin_mean"), d.get("per_bin_stddev")
+        return cls(
+            feature_size=int(d.get("feature_size", 128)),
+            sampling_rate=rate,
+            frame_length=round(rate * d.get("frame_length_ms", 20.0) / 1000.0),
+            hop_length=round(rate * d.get("hop_length_ms", 10.0) / 1000.0),
+            min_frequency=float(d.get("min_frequency", 0.0)),
+            max_frequency=float(d.get("max_frequency", 8000.0)),
+            mel_floor=float(d.get("mel_floor", 1e-3)),
+            per_bin_mean=tuple(mean) if mean is not None else None,
+            per_bin_stddev=tuple(std) if std is not None else None,
+        )
+
+    @property
+    def fft_length(self) -> int:
+        return int(2 ** math.ceil(math.log2(self.frame_length)))  # 512
+
+
+class LogMel:
+    """Precomputed window and filter bank for one MelConfig; `__call__` is thread-safe (no state)."""
+
+    def __init__(self, config: MelConfig) -> None:
+        self.config = config
+        n = config.frame_length
+        # Periodic Hann, in float32 as the reference multiplies frames by it in float32.
+        self.window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n) / n)).astype(np.float32)
+        self.filters = mel_filter_bank(config)  # (fft_length // 2 + 1, feature_size) float64
+
+    def __call__(self, wave: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(n,) float32 at 16 kHz, n <= max_samples -> features (F, 128) float32, mask (F,) bool."""
+        c = self.config
+        n = len(wave)
+        padded_len = -(-n // c.pad_to_multiple_of) * c.pad_to_multiple_of
+        left = c.frame_length // 2  # semicausal: the first window is centred on t = 0
+        x = np.zeros(left + padded_len, dtype=np.float32)
+        x[left : left + n] = wave
+        size = c.frame_length + 1  # the reference unfolds 321 samples and drops the last (no preemphasis)
+        num_frames = max((len(x) - size) // c.hop_length + 1, 0)
+        # (F, frame_length) strided view: frame i starts at i * hop in the left-padded signal.
+        frames = np.lib.stride_tricks.as_strided(
+            x, shape=(num_frames, c.frame_length), strides=(x.strides[0] * c.hop_length, x.strides[0])
+        )
+        spectrum = np.abs(np.fft.rfft(frames * self.window, n=c.fft_length, axis=-1))  # (F, 257)
+        log_mel = np.log(spectrum @ self.filters + c.mel_floor)  # (F, 128) float64
+        if c.per_bin_mean is not None:
+            log_mel = log_mel - np.asarray(c.per_bin_mean)
+        if c.per_bin_stddev is not None:
+            log_mel = log_mel / np.asarray(c.per_bin_stddev)
+        # Frame i's window ends at original sample i * hop + hop (index in the unpadded signal).
+        mask = np.arange(num_frames) * c.hop_length + size - 1 - left < n
+        features = log_mel.astype(np.float32)
+        features[~mask] = 0.0
+        return features, mask
+
+
+def mel_filter_bank(c: MelConfig) -> np.ndarray:
+    """HTK triangular filters without normalization, as transformers' `mel_filter_bank(norm=None)`."""
+
+    def hz_to_mel(f: Any) -> Any:
+        return 2595.0 * np.log10(1.0 + f / 700.0)
+
+    mel = np.linspace(hz_to_mel(c.min_frequency), hz_to_mel(c.max_frequency), c.feature_size + 2)
+    edges = 700.0 * (np.power(10, mel / 2595.0) - 1.0)  # (feature_size + 2,) Hz
+    fft_freqs = np.linspace(0, c.sampling_rate // 2, c.fft_length // 2 + 1)
+    diff = np.diff(edges)
+    slopes = edges[None, :] - fft_freqs[:, None]  # (bins, feature_size + 2)
+    down = -slopes[:, :-2] / diff[:-1]
+    up = slopes[:, 2:] / diff[1:]
+    return np.maximum(0.0, np.minimum(down, up))
+
+
+def num_soft_tokens(mask: np.ndarray) -> int:
+    """Audio soft tokens for one mask: two stride-2 convs (k=3, pad=1) halve it twice, as the reference."""
+    for _ in range(2):
+        mask = mask[::2][: (len(mask) + 2 - 3) // 2 + 1]
+    return int(mask.sum())
+
+
+def load_audio(
+    data: bytes,
+    *,
+    truncate: bool = True,
+    limits: MediaLimits | None = None,
+    sample_rate: int = SAMPLE_RATE,
+    max_samples: int = MAX_SAMPLES,
+) -> tuple[np.ndarray, bool]:
+    """Decode, downmix, resample to `sample_rate` and cut at `max_samples`.
+
+    Returns ((n,) float32, cut) where `cut` says the source was longer than the limit. With truncate off
+    a longer source raises InputTooLongError instead.
+    """
+    limits = limits or MediaLimits()
+    max_seconds = max_samples / sample_rate
+    mono, rate = _decode(data, max_seconds + _MARGIN_SECONDS, limits)
+    if not np.isfinite(mono).all():
+        raise MediaDecodeError("audio contains NaN or infinite samples", param="input")
+    too_long = len(mono) > max_seconds * rate
+    if too_long and not truncate:
+        raise InputTooLongError(
+            f"audio is longer than {max_seconds:g} s; send truncate=true to use its first {max_seconds:g} s",
+            param="input",
+        )
+    if rate != sample_rate:
+        mono = soxr.resample(mono, rate, sample_rate, quality="HQ").astype(np.float32, copy=False)
+    if len(mono) == 0:
+        raise MediaDecodeError("audio has no samples", param="input")
+    return np.ascontiguousarray(mono[:max_samples]), too_long
+
+
+def _decode(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    """Mono float32 samples at the source rate, at most `max_seconds` of them, and that rate."""
+    if data[:4] in _SOUNDFILE_MAGIC:
+        try:
+            return _decode_soundfile(data, max_seconds, limits)
+        except MediaDecodeError:
+            if data[:4] != b"OggS":
+                raise
+            # An Ogg codec libsndfile lacks: PyAV reads Ogg too.
+    return _decode_av(data, max_seconds, limits)
+
+
+def _check_format(rate: int, channels: int, limits: MediaLimits) -> None:
+    if not limits.min_audio_rate <= rate <= limits.max_audio_rate:
+        raise MediaDecodeError(
+            f"unsupported audio sample rate {rate} Hz: must be within "
+            f"{limits.min_audio_rate}-{limits.max_audio_rate} Hz",
+            param="input",
+        )
+    if not 1 <= channels <= limits.max_audio_channels:
+        raise MediaDecodeError(
+            f"unsupported audio channel count {channels}: must be within 1-{limits.max_audio_channels}",
+            param="input",
+        )
+
+
+def _decode_soundfile(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    _check_wav_length(data)
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            rate, channels, declared = int(f.samplerate), int(f.channels), int(f.frames)
+            _check_format(rate, channels, limits)
+            budget = math.ceil(max_seconds * rate)
+            blocks: list[np.ndarray] = []
+            got = 0
+            # Read in blocks, never `frames` at once: the header's frame count is not trusted.
+            while got < budget:
+                block = f.read(min(_BLOCK, budget - got), dtype="float32", always_2d=True)  # (n, channels)
+                if len(block) == 0:
+                    break
+                blocks.append(block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0])
+                got += len(block)
+            if got < min(declared, budget) and declared < _UNKNOWN_FRAMES:
+                # FLAC's STREAMINFO (and the like) promised more frames than the data holds.
+                raise MediaDecodeError(
+                    f"audio file is truncated: {declared} frames declared, {got} found", param="input"
+                )
+    except MediaDecodeError:
+        raise
+    except sf.LibsndfileError as e:
+        raise MediaDecodeError(f"could not decode audio: {e.error_string}", param="input") from e
+    except MemoryError as e:
+        raise InputTooLargeError("audio is too large to decode", param="input") from e
+    except Exception as e:
+        raise MediaDecodeError(f"could not decode audio: {reason(e)}", param="input") from e
+    mono = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
+    return mono, rate
+
+
+# WAV data-chunk sizes that mean "length unknown" (written by streaming encoders), not a promise.
+_WAV_UNKNOWN_SIZE = (0, 0xFFFF_FFFF)
+_WAV_UNKNOWN_FROM = 0x7FFF_F000  # SoX and others write ~2^31 when they cannot seek back
+
+
+def _check_wav_length(data: bytes) -> None:
+    """Refuse a RIFF/WAVE whose data chunk promises more bytes than the file holds.
+
+    libsndfile silently reads what is there; a size that is neither an "unknown" marker nor true means
+    the file was cut (or the header forged), and embedding a fraction of it would be a silent error.
+    """
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return
+    pos = 12
+    while pos + 8 <= len(data):
+        chunk, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+        if chunk == b"data":
+            held = len(data) - pos - 8
+            if size > held and size not in _WAV_UNKNOWN_SIZE and size < _WAV_UNKNOWN_FROM:
+                raise MediaDecodeError(
+                    f"WAV file is truncated: its header declares {size} bytes of samples, the file holds {held}",
+                    param="input",
+                )
+            return
+        pos += 8 + size + (size & 1)  # chunks are word-aligned
+
+
+# Sample formats PyAV hands out -> scale to [-1, 1] floats.
+_AV_SCALE = {"u8": 1 / 128, "s16": 1 / 32768, "s32": 1 / 2**31, "s64": 1 / 2**63, "flt": 1.0, "dbl": 1.0}
+
+
+def _decode_av(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    chunks: list[np.ndarray] = []
+    try:
+        with containers.open_container(
+            data, _AV_FORMATS, "audio", "a WAV, FLAC, OGG, MP3, M4A or WebM file"
+        ) as c:
+            stream = next((s for s in c.streams if s.type == "audio"), None)
+            if stream is None:
+                raise MediaDecodeError("could not decode audio: the file has no audio stream", param="input")
+            rate = 0
+            got, budget = 0, 0
+            exact = c.format.name in containers.EXACT_DURATION
+            declared = containers.declared_seconds(c, stream) if exact else None
+            frame: Any
+            for frame in c.decode(stream):
+                if rate == 0:
+                    rate = int(frame.sample_rate)
+                    _check_format(rate, frame.layout.nb_channels, limits)
+                    budget = math.ceil(max_seconds * rate)
+                elif frame.sample_rate != rate:
+                    raise MediaDecodeError(
+                        "could not decode audio: the sample rate changes mid-stream", param="input"
+                    )
+                chunks.append(_av_mono(frame, limits))
+                got += len(chunks[-1])
+                if got >= budget:
+                    break
+    except MediaDecodeError:
+        raise
+    except MemoryError as e:
+        raise InputTooLargeError("audio is too large to decode", param="input") from e
+    except Exception as e:  # av.error.* (InvalidDataError, ...), and ValueError for odd layouts
+        raise MediaDecodeError(f"could not decode audio: {reason(e)}", param="input") from e
+    if rate == 0:
+        raise MediaDecodeError("could not decode audio: no audio frames", param="input")
+    if declared is not None:
+        expected = min(declared, max_seconds)
+        if got / rate < 0.9 * expected - 0.1:
+            raise MediaDecodeError(
+                f"audio file is truncated: {declared:.1f} s declared, {got / rate:.1f} s decoded",
+                param="input",
+            )
+    return np.concatenate(chunks), rate
+
+
+def _av_mono(frame: Any, limits: MediaLimits) -> np.ndarray:
+    """One decoded PyAV audio frame -> (samples,) float32 mono."""
+    channels = frame.layout.nb_channels
+    if not 1 <= channels <= limits.max_audio_channels:
+        raise MediaDecodeError(f"unsupported audio channel count {channels}", param="input")
+    name = frame.format.name
+    base = name.rstrip("p")
+    if base not in _AV_SCALE:
+        raise MediaDecodeError(f"could not decode audio: sample format {name}", param="input")
+    x = frame.to_ndarray()  # planar: (channels, n); packed: (1, n * channels)
+    x = x.reshape(channels, -1) if frame.format.is_planar else x.reshape(-1, channels).T
+    x = x.astype(np.float32)
+    if base == "u8":
+        x -= 128.0
+    if _AV_SCALE[base] != 1.0:
+        x *= _AV_SCALE[base]
+    mono: np.ndarray = x.mean(axis=0, dtype=np.float32) if channels > 1 else x[0]
+    return mono

@@ -1,0 +1,171 @@
+"""Video: bytes -> frames sampled at 1 fps (at most 32, thinned uniformly) -> padded patches per frame.
+
+Sampling reproduces transformers' `EmbeddingGemma2VideoProcessor.sample_frames` on the metadata its
+PyAV loader (`read_video_pyav`) reads: frame count = the stream's declared `frames`, fps = its
+`average_rate`, duration = frames / fps; frame i*fps for i < int(duration), clamped to the last frame,
+then `linspace(0, n - 1, 32)` when more than 32. Indices count frames in decode order, as the loader
+does, and a frame picked twice is returned once. Where the reference breaks we go on: Matroska/WebM
+declare no frame count (the loader then asks for frame -1 and fails), so we derive it from the
+container's duration.
+
+Each frame is converted with PyAV's rgb24 conversion (the loader's), resized and patchified exactly as
+images are, with the video budget (70 soft tokens per frame by default).
+
+Safety: the frame size, declared duration and declared frame count are checked against `MediaLimits`
+before decoding; decoding stops after the last sampled frame and checks every decoded frame's size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from eg2_runtime.errors import InputTooLargeError, MediaDecodeError
+from eg2_runtime.preprocess import containers
+from eg2_runtime.preprocess.image import PatchedImages, PatchGeometry, patchify, resize_uint8, target_size
+from eg2_runtime.preprocess.limits import MediaLimits, reason
+
+_FORMATS = {containers.MP4, containers.MATROSKA}  # mp4 / mov / m4v, and mkv / webm
+
+
+@dataclass(frozen=True)
+class VideoConfig:
+    """The video processor's settings (processor config `video_processor`); defaults are the class's."""
+
+    budget: int = 70  # max_soft_tokens per frame
+    fps: float = 1.0
+    max_frames: int = 32
+    add_timestamps: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VideoConfig:
+        if d.get("overflow_strategy", "uniform") != "uniform" or d.get("do_sample_frames", True) is False:
+            raise ValueError("only uniform 1-fps-style frame sampling is supported")
+        return cls(
+            budget=int(d.get("max_soft_tokens", 70)),
+            fps=float(d.get("fps", 1)),
+            max_frames=int(d.get("max_frames", 32)),
+            add_timestamps=bool(d.get("add_timestamps", False)),
+        )
+
+
+@dataclass(frozen=True)
+class VideoMetadata:
+    total_frames: int  # declared (or, for Matroska, derived from the duration)
+    fps: float
+    width: int
+    height: int
+
+
+@dataclass
+class SampledVideo:
+    frames: np.ndarray  # (n, H, W, 3) uint8 RGB
+    indices: list[int]  # decode-order index of each returned frame
+    timestamps: list[float]  # seconds: index / fps, as the reference's metadata.timestamps
+    metadata: VideoMetadata
+
+
+def sample_indices(meta: VideoMetadata, config: VideoConfig) -> np.ndarray:
+    """The reference's frame indices (possibly repeated) for this metadata."""
+    step = meta.fps / config.fps  # native frames per sampled frame
+    duration = meta.total_frames / meta.fps
+    count = max(1, int(duration * config.fps))
+    indices = np.array([min(meta.total_frames - 1, int(i * step)) for i in range(count)], dtype=int)
+    if len(indices) > config.max_frames:
+        indices = indices[np.linspace(0, len(indices) - 1, config.max_frames, dtype=int)]
+    return indices
+
+
+def decode_video(data: bytes, config: VideoConfig, limits: MediaLimits) -> SampledVideo:
+    """Check the container's metadata against `limits`, then decode only up to the last sampled frame."""
+    try:
+        with containers.open_container(data, _FORMATS, "video", "an MP4, MOV, MKV or WebM file") as container:
+            if not container.streams.video:
+                raise MediaDecodeError("could not decode video: the file has no video stream", param="input")
+            stream = container.streams.video[0]
+            meta = _metadata(container, stream, limits)
+            wanted = sample_indices(meta, config)
+            keep = set(wanted.tolist())
+            last = int(wanted.max())
+            frames: list[np.ndarray] = []
+            indices: list[int] = []
+            for i, frame in enumerate(container.decode(stream)):
+                if i > last:
+                    break
+                if frame.width * frame.height > limits.max_video_frame_pixels:
+                    raise InputTooLargeError(
+                        f"video frame is too large: {frame.width}x{frame.height}", param="input"
+                    )
+                if i in keep:
+                    if (frame.width, frame.height) != (meta.width, meta.height):
+                        # A mid-stream size change: scale to the declared size so the frames stack.
+                        frame = frame.reformat(width=meta.width, height=meta.height)
+                    frames.append(frame.to_ndarray(format="rgb24"))  # (H, W, 3), as the reference loader
+                    indices.append(i)
+    except (MediaDecodeError, InputTooLargeError):
+        raise
+    except MemoryError as e:
+        raise InputTooLargeError("video is too large to decode", param="input") from e
+    except Exception as e:  # av.error.* for corrupt or truncated files
+        raise MediaDecodeError(f"could not decode video: {reason(e)}", param="input") from e
+    if not frames:
+        raise MediaDecodeError("could not decode video: no frames could be decoded", param="input")
+    if indices[-1] < last and len(indices) < len(keep):
+        # Decoding ended before the last frame the metadata promised: a cut or damaged file.
+        raise MediaDecodeError(
+            f"video is truncated: {len(indices)} of its {len(keep)} sampled frames could be decoded",
+            param="input",
+        )
+    return SampledVideo(np.stack(frames), indices, [i / meta.fps for i in indices], meta)
+
+
+def _metadata(container: Any, stream: Any, limits: MediaLimits) -> VideoMetadata:
+    """Declared size, rate and length, refused here when over a limit (nothing is decoded yet)."""
+    width, height = int(stream.codec_context.width), int(stream.codec_context.height)
+    if width <= 0 or height <= 0:
+        raise MediaDecodeError(f"could not decode video: frame size {width}x{height}", param="input")
+    if width * height > limits.max_video_frame_pixels:
+        raise InputTooLargeError(
+            f"video frames are too large: {width}x{height} = {width * height} pixels, the limit is "
+            f"{limits.max_video_frame_pixels}",
+            param="input",
+        )
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    fps = float(rate) if rate else 0.0
+    if not math.isfinite(fps) or fps <= 0 or fps > 1000:
+        raise MediaDecodeError(f"could not decode video: frame rate {fps:g}", param="input")
+    total = int(stream.frames or 0)
+    seconds = containers.declared_seconds(container, stream)
+    if total <= 0:
+        # Matroska / WebM keep no frame count: derive it as the reference would have read it.
+        if seconds is None or seconds <= 0:
+            raise MediaDecodeError("could not decode video: unknown duration and frame count", param="input")
+        if seconds > limits.max_video_seconds:
+            raise _too_long(seconds, limits)
+        total = max(1, round(seconds * fps))
+    if total > limits.max_video_frames:
+        raise InputTooLargeError(
+            f"video has too many frames: {total} declared, the limit is {limits.max_video_frames}",
+            param="input",
+        )
+    seconds = max(seconds or 0.0, total / fps)
+    if seconds > limits.max_video_seconds:
+        raise _too_long(seconds, limits)
+    return VideoMetadata(total, fps, width, height)
+
+
+def _too_long(seconds: float, limits: MediaLimits) -> InputTooLargeError:
+    return InputTooLargeError(
+        f"video is too long: {seconds:.0f} s, the limit is {limits.max_video_seconds:g} s", param="input"
+    )
+
+
+def prepare_frames(frames: np.ndarray, budget: int, geometry: PatchGeometry) -> PatchedImages:
+    """(n, H, W, 3) uint8 -> per-frame padded patches, every frame resized to the same target size."""
+    x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (n, 3, H, W) channels-last view (see resize_uint8)
+    size = target_size(frames.shape[1], frames.shape[2], budget, geometry)
+    return patchify(resize_uint8(x, size), geometry.max_patches(budget), geometry)

@@ -1,0 +1,115 @@
+"""Video: frame sampling against the reference loader + sampler, and frame patches against the
+reference video processor (transformers' EmbeddingGemma2VideoProcessor, torchvision backend).
+
+The reference decodes with `transformers.video_utils.read_video_pyav` (its PyAV loader) and samples
+with `EmbeddingGemma2VideoProcessor.sample_frames` (1 fps, at most 32 frames, uniform thinning). We
+must pick the same frames (same decode indices, so the same timestamps) with the same pixels.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from eg2_runtime.preprocess.image import PatchGeometry
+from eg2_runtime.preprocess.limits import MediaLimits
+from eg2_runtime.preprocess.video import VideoConfig, decode_video, prepare_frames
+from tests import media
+
+CONFIG = VideoConfig()
+LIMITS = MediaLimits()
+
+
+def video_processor() -> Any:
+    from transformers.models.embedding_gemma2.video_processing_embedding_gemma2 import (
+        EmbeddingGemma2VideoProcessor,
+    )
+
+    return EmbeddingGemma2VideoProcessor()
+
+
+def reference_sampling(data: bytes, suffix: str) -> tuple[np.ndarray, Any]:
+    """The reference's sampled frames and metadata, through its own PyAV loader."""
+    from transformers.video_utils import read_video_pyav
+
+    processor = video_processor()
+    with tempfile.NamedTemporaryFile(suffix=f".{suffix}") as f:
+        f.write(data)
+        f.flush()
+        return read_video_pyav(
+            f.name,
+            sample_indices_fn=lambda metadata, **_: processor.sample_frames(
+                metadata, fps=processor.fps, max_frames=processor.max_frames, overflow_strategy="uniform"
+            ),
+        )
+
+
+CLIPS = {
+    "3s_10fps": (3, 10, "mp4"),
+    "40s_10fps": (40, 10, "mp4"),  # 40 one-second picks thinned to 32
+    "10s_29.97fps": (10, Fraction(30_000, 1001), "mp4"),  # timestamps just below whole seconds
+    "4s_0.5fps": (4, Fraction(1, 2), "mp4"),  # fewer frames than seconds: a frame picked twice
+    "0.4s": (0.4, 10, "mp4"),  # shorter than a second: one frame
+    "3s_mov": (3, 10, "mov"),
+    "75s_24fps": (75, 24, "mp4"),
+}
+
+
+@pytest.mark.parametrize("name", list(CLIPS))
+def test_same_frames_and_timestamps_as_reference(name: str) -> None:
+    seconds, fps, fmt = CLIPS[name]
+    data = media.encode_video(seconds, fps, size=(64, 96), fmt=fmt)
+    ref_frames, ref_meta = reference_sampling(data, fmt)
+    sampled = decode_video(data, CONFIG, LIMITS)
+    unique = sorted(set(int(i) for i in ref_meta.frames_indices))  # the loader keeps a repeat once
+    assert sampled.indices == unique
+    assert sampled.timestamps == [i / ref_meta.fps for i in unique]
+    assert np.array_equal(sampled.frames, ref_frames)
+    assert len(sampled.indices) <= 32
+    if name == "40s_10fps":
+        assert len(sampled.indices) == 32 and sampled.indices[:4] == [0, 10, 20, 30]
+
+
+def test_frame_patches_equal_reference_processor() -> None:
+    data = media.encode_video(3, 10, size=(120, 200))
+    sampled = decode_video(data, CONFIG, LIMITS)
+    ref = video_processor()(videos=[sampled.frames], do_sample_frames=False, return_tensors="pt")
+    ours = prepare_frames(sampled.frames, CONFIG.budget, PatchGeometry())
+    assert ours.pixel_values.shape == ref["pixel_values_videos"].shape == (3, 630, 768)
+    diff = (ours.pixel_values - ref["pixel_values_videos"]).abs().max().item()
+    assert diff <= 1 / 255, f"max |diff| {diff}"
+    assert torch.equal(ours.position_ids, ref["video_position_ids"])
+    assert ours.num_soft_tokens == ref["num_soft_tokens_per_video"][0]
+
+
+@pytest.mark.parametrize("fmt", ["mkv", "webm"])
+def test_matroska_without_frame_count(fmt: str) -> None:
+    """Matroska declares no frame count: the reference loader then asks for frame -1 and fails. We
+    derive the count from the declared duration and pick what the MP4 of the same clip gives."""
+    data = media.encode_video(5, 10, size=(64, 96), fmt=fmt)
+    with pytest.raises(ValueError):
+        reference_sampling(data, fmt)
+    sampled = decode_video(data, CONFIG, LIMITS)
+    mp4 = decode_video(media.encode_video(5, 10, size=(64, 96), fmt="mp4"), CONFIG, LIMITS)
+    assert sampled.indices == mp4.indices == [0, 10, 20, 30, 40]
+    if fmt == "mkv":  # same codec: same pixels
+        assert np.array_equal(sampled.frames, mp4.frames)
+
+
+def test_limits_are_parameters() -> None:
+    data = media.encode_video(3, 10, size=(64, 96))
+    from eg2_runtime.errors import InputTooLargeError
+
+    for limits in (
+        MediaLimits(max_video_seconds=2.5),
+        MediaLimits(max_video_frames=29),
+        MediaLimits(max_video_frame_pixels=64 * 96 - 1),
+    ):
+        with pytest.raises(InputTooLargeError):
+            decode_video(data, CONFIG, limits)
+    assert len(decode_video(data, CONFIG, MediaLimits(max_video_seconds=3, max_video_frames=30)).indices) == 3
