@@ -1,9 +1,9 @@
 """The `eg2` command: `serve` here; the runtime's tools wired in, imported only when called.
 
 eg2 serve [--model DIR] [--port 8000] ...     every Settings field is a flag (and an EG2_* variable)
-eg2 quantize SRC DST [--group-size 32|64|128] [--modalities text,image]
+eg2 quantize SRC DST [--group-size 32|64|128]
 eg2 demo-model DST --size tiny|full [--seed N] [--dtype bfloat16|float32]
-eg2 embed [--model DIR] [--dimensions N] INPUT...   text, or image/audio/video file paths
+eg2 embed [--model DIR] [--dimensions N] [--json] INPUT...   text, or image/audio/video file paths
 eg2 bench ...                                 arguments go to eg2_runtime.tools.bench
 """
 
@@ -56,14 +56,19 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _quantize(args: argparse.Namespace) -> int:
+    from eg2_runtime.errors import CheckpointError
     from eg2_runtime.tools.quantize import quantize_checkpoint
 
-    kwargs: dict[str, Any] = {}
-    if args.group_size is not None:
-        kwargs["group_size"] = args.group_size
-    if args.modalities is not None:
-        kwargs["modalities"] = [m.strip() for m in args.modalities.split(",") if m.strip()]
-    quantize_checkpoint(Path(args.src), Path(args.dst), **kwargs)
+    try:
+        report = quantize_checkpoint(Path(args.src), Path(args.dst), group_size=args.group_size)
+    except (CheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"eg2 quantize: {exc}", file=sys.stderr)
+        return 1
+    packed = ", ".join(f"{tower} {n}" for tower, n in report.packed.items())
+    print(
+        f"{sum(report.packed.values())} Linear layers packed ({packed}), {report.copied} tensors copied; "
+        f"{report.bytes_in / 2**20:.1f} MiB -> {report.bytes_out / 2**20:.1f} MiB"
+    )
     return 0
 
 
@@ -86,7 +91,7 @@ def _embed(args: argparse.Namespace) -> int:
 
         print(DEMO_BANNER, file=sys.stderr)
         model_dir = ensure_demo_model(Settings().cache_dir)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"as_json": args.json, "device": args.device}
     if args.dimensions is not None:
         kwargs["dimensions"] = args.dimensions
     result = embed_cli(Path(model_dir), list(args.inputs), **kwargs)
@@ -111,8 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize = sub.add_parser("quantize", help="pack a checkpoint's linear weights to 4 bits")
     quantize.add_argument("src")
     quantize.add_argument("dst")
-    quantize.add_argument("--group-size", type=int, choices=(32, 64, 128))
-    quantize.add_argument("--modalities", help="towers to quantize, comma-separated")
+    quantize.add_argument("--group-size", type=int, choices=(32, 64, 128), default=128)
     quantize.set_defaults(run=_quantize)
 
     demo = sub.add_parser("demo-model", help="write a random-weight checkpoint (for tests and demos)")
@@ -125,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     embed = sub.add_parser("embed", help="embed inputs in-process and print the vectors")
     embed.add_argument("--model", help="checkpoint directory (default: the demo checkpoint)")
     embed.add_argument("--dimensions", type=int, choices=(128, 256, 512, 768))
+    embed.add_argument("--json", action="store_true", help="print every full vector as a JSON line")
+    embed.add_argument("--device", default="auto", help="auto, cuda or cpu")
     embed.add_argument(
         "inputs", nargs="+", metavar="INPUT", help="text, or a path to an image/audio/video file"
     )

@@ -2,7 +2,7 @@
 
 One `Settings` object is built at start and passed down; nothing else in the project reads os.environ.
 Each field's description states what it does and what it trades; `eg2 serve --help` and the settings
-table in docs/SERVICE.md are generated from these descriptions (`markdown_table`).
+table in README.md are generated from these descriptions (`markdown_table`).
 Architecture parameters are not here: they come from the checkpoint's config.json (eg2_runtime.config).
 """
 
@@ -263,7 +263,7 @@ def describe_default(field: str) -> str:
 
 
 def markdown_table() -> str:
-    """The settings table of docs/SERVICE.md, generated from the field descriptions."""
+    """The settings table of README.md, generated from the field descriptions."""
     rows = ["| flag / env var | default | what it does, and the trade-off |", "|---|---|---|"]
     for field, info in Settings.model_fields.items():
         description = (info.description or "").replace("|", "\\|")

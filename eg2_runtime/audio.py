@@ -130,12 +130,14 @@ class AudioAttention(nn.Module):
 
     def window_mask(self, valid: torch.Tensor) -> torch.Tensor:
         """(B, T) valid -> (B, 1, nb, chunk, context) bool: key allowed for this query."""
-        b, t = valid.shape
+        t = valid.shape[1]
         nb = -(-t // self.chunk)
         q = torch.arange(nb * self.chunk, device=valid.device).view(nb, self.chunk, 1)
-        k = (torch.arange(nb, device=valid.device) * self.chunk).view(nb, 1, 1) + torch.arange(
-            self.context, device=valid.device
-        ) - self.past  # (nb, 1, context) absolute key step
+        k = (
+            (torch.arange(nb, device=valid.device) * self.chunk).view(nb, 1, 1)
+            + torch.arange(self.context, device=valid.device)
+            - self.past
+        )  # (nb, 1, context) absolute key step
         dist = q - k  # (nb, chunk, context)
         # The reference's window: 0 <= q - k < left (past 11 steps and itself), 0 < k - q < right.
         seen = ((dist >= 0) & (dist < self.past)) | ((dist < 0) & (-dist < self.future))
@@ -201,7 +203,9 @@ def relative_positions(cfg: AudioConfig, dtype: torch.dtype, device: torch.devic
     """
     context = cfg.chunk_size + cfg.context_left - 1 + cfg.context_right
     half = cfg.hidden_size // 2
-    inv = torch.exp(torch.arange(half, device=device).float() * -(math.log(10_000.0) / max(half - 1, 1))).to(dtype)
+    inv = torch.exp(torch.arange(half, device=device).float() * -(math.log(10_000.0) / max(half - 1, 1))).to(
+        dtype
+    )
     t = torch.arange(context // 2, -1, -1, device=device)[:, None] * inv[None]  # (13, A/2) in dtype
     return torch.cat((t.sin(), t.cos()), dim=-1)
 
@@ -218,7 +222,9 @@ class AudioTower(nn.Module):
         """(B, F, 128) log-mel, (B, F) bool valid -> (B, T, O) states and (B, T) bool valid."""
         x, valid = self.subsample_conv_projection(features, mask)
         pos = relative_positions(self.cfg, x.dtype, x.device)
-        attn_mask = self.layers[0].self_attn.window_mask(valid) if len(self.layers) else valid
+        first = self.layers[0]  # every layer has the same window: build its mask once
+        assert isinstance(first, AudioLayer)
+        attn_mask = first.self_attn.window_mask(valid)
         for layer in self.layers:
             x = layer(x, pos, attn_mask)
         return self.output_proj(x), valid

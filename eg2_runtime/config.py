@@ -171,7 +171,12 @@ class QuantConfig:
         if len(groups) != 1:
             raise ValueError(f"expected one quantization config group, got {len(groups)}")
         w = groups[0]["weights"]
-        if (w.get("type"), w.get("strategy"), w.get("num_bits"), w.get("symmetric")) != ("int", "group", 4, True):
+        if (w.get("type"), w.get("strategy"), w.get("num_bits"), w.get("symmetric")) != (
+            "int",
+            "group",
+            4,
+            True,
+        ):
             raise ValueError(f"only int4 group-wise symmetric weights are supported, got {w}")
         return cls(num_bits=4, group_size=int(w["group_size"]), symmetric=True)
 

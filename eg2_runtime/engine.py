@@ -24,7 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from eg2_runtime.errors import EngineOutOfMemory
-from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, MATRYOSHKA_DIMS, Item, MediaPart, Modality, PrepareOptions, TextPart
+from eg2_runtime.inputs import (
+    IMAGE_TOKEN_BUDGETS,
+    MATRYOSHKA_DIMS,
+    Item,
+    MediaPart,
+    Modality,
+    PrepareOptions,
+    TextPart,
+)
 from eg2_runtime.loader import LoadReport, load_model
 from eg2_runtime.model import ALL_MODALITIES, EG2Model
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
@@ -52,7 +60,9 @@ def matryoshka(vectors: np.ndarray, dim: int) -> np.ndarray:
 class Engine:
     """A loaded model with its preprocessor. Build it with `Engine.from_dir`."""
 
-    def __init__(self, model: EG2Model, report: LoadReport, preprocessor: Preprocessor, model_dir: Path) -> None:
+    def __init__(
+        self, model: EG2Model, report: LoadReport, preprocessor: Preprocessor, model_dir: Path
+    ) -> None:
         self.model = model
         self.report = report
         self.preprocessor = preprocessor
@@ -87,7 +97,11 @@ class Engine:
 
         config = ModelConfig.from_dir(model_dir)
         if modalities is None:  # everything the checkpoint has
-            wanted = frozenset({"text"} | ({"image", "video"} if config.vision else set()) | ({"audio"} if config.audio else set()))
+            wanted = frozenset(
+                {"text"}
+                | ({"image", "video"} if config.vision else set())
+                | ({"audio"} if config.audio else set())
+            )
         model, report = load_model(model_dir, device, wanted, dtype=dtype, pack=pack, group_size=group_size)
         media = sorted(model.modalities - {"text"})
         pre = Preprocessor.from_dir(model_dir, config, limits=limits, modalities=media)  # type: ignore[arg-type]
@@ -98,7 +112,9 @@ class Engine:
 
     def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
         prepared = self.preprocessor.prepare(item, options)
-        return PreparedItem(prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared)
+        return PreparedItem(
+            prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared
+        )
 
     def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
         """A full-size batch per loaded modality, so an out-of-memory shows at boot, not under load."""
@@ -107,7 +123,10 @@ class Engine:
         longest = max(IMAGE_TOKEN_BUDGETS)
         biggest: dict[str, tuple[Item, PrepareOptions]] = {
             "text": (Item((TextPart("warm up " * self.max_text_tokens),)), PrepareOptions()),
-            "image": (Item((MediaPart("image", samples.png(1280, 960)),)), PrepareOptions(image_tokens=longest)),
+            "image": (
+                Item((MediaPart("image", samples.png(1280, 960)),)),
+                PrepareOptions(image_tokens=longest),
+            ),
             "audio": (Item((MediaPart("audio", samples.wav(30.0)),)), PrepareOptions()),
             "video": (Item((MediaPart("video", samples.mp4(32)),)), PrepareOptions()),
         }
@@ -195,8 +214,13 @@ def collate(items: Sequence[Prepared], pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, : p.input_ids.shape[0]] = p.input_ids
         mask[i, : p.input_ids.shape[0]] = 1
     out = {"input_ids": ids, "attention_mask": mask}
-    for pixels, positions in (("pixel_values", "image_position_ids"), ("pixel_values_videos", "video_position_ids")):
-        chunks = [(getattr(p, pixels), getattr(p, positions)) for p in items if getattr(p, pixels) is not None]
+    for pixels, positions in (
+        ("pixel_values", "image_position_ids"),
+        ("pixel_values_videos", "video_position_ids"),
+    ):
+        chunks = [
+            (getattr(p, pixels), getattr(p, positions)) for p in items if getattr(p, pixels) is not None
+        ]
         if chunks:
             s = max(v.shape[1] for v, _ in chunks)
             out[pixels] = torch.cat([F.pad(v, (0, 0, 0, s - v.shape[1])) for v, _ in chunks])
@@ -205,7 +229,8 @@ def collate(items: Sequence[Prepared], pad_id: int) -> dict[str, torch.Tensor]:
     if audio:
         f = max(x.shape[1] for x, _ in audio)
         out["input_features"] = torch.cat([F.pad(x, (0, 0, 0, f - x.shape[1])) for x, _ in audio])
-        out["input_features_mask"] = torch.cat([F.pad(m, (0, f - m.shape[1])) for _, m in audio])  # type: ignore[misc]
+        masks = [m for _, m in audio if m is not None]
+        out["input_features_mask"] = torch.cat([F.pad(m, (0, f - m.shape[1])) for m in masks])
     return out
 
 

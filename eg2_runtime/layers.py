@@ -48,7 +48,9 @@ def rope_cos_sin(
 
     Angles are computed in fp32 and then rounded to the compute dtype, as the reference does.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device) / head_dim)
+    )
     freqs = positions.float()[..., None] * inv_freq  # (..., head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -57,7 +59,9 @@ def rope_cos_sin(
 class GatedMLP(nn.Module):
     """down(gelu_tanh(gate(x)) * up(x)). `linear` builds the three projections (plain or clippable)."""
 
-    def __init__(self, hidden: int, intermediate: int, linear: type[nn.Module] | None = None, **kw: object) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, linear: type[nn.Module] | None = None, **kw: object
+    ) -> None:
         super().__init__()
         make = linear or _plain_linear
         self.gate_proj = make(hidden, intermediate, **kw)

@@ -95,7 +95,9 @@ def read_header(model_dir: Path) -> dict[str, StoredTensor]:
 def compute_dtype(device: torch.device, dtype: torch.dtype | None) -> torch.dtype:
     """BF16 on CUDA, FP32 on CPU, unless asked otherwise; FP16 is refused (activations overflow)."""
     if dtype == torch.float16:
-        raise ValueError("float16 is not supported for EmbeddingGemma 2: its activations overflow; use bfloat16")
+        raise ValueError(
+            "float16 is not supported for EmbeddingGemma 2: its activations overflow; use bfloat16"
+        )
     if dtype is not None:
         return dtype
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -140,11 +142,15 @@ def load_model(
             try:
                 linear = model.get_submodule(name)
             except AttributeError:
-                raise CheckpointError(f"packed tensor {name}.weight_packed matches no layer of the model") from None
+                raise CheckpointError(
+                    f"packed tensor {name}.weight_packed matches no layer of the model"
+                ) from None
             if not isinstance(linear, torch.nn.Linear):
                 raise CheckpointError(f"{name} is stored packed but is not a Linear layer")
             g = linear.in_features // stored[f"{name}.weight_scale"].shape[-1]
-            replace_module(model, name, PackedLinear(linear.in_features, linear.out_features, linear.bias is not None, g))
+            replace_module(
+                model, name, PackedLinear(linear.in_features, linear.out_features, linear.bias is not None, g)
+            )
 
     expected = model.state_dict()
     wanted = {n: t for n, t in stored.items() if _loaded(model, n)}
@@ -158,7 +164,10 @@ def load_model(
                 handles[meta.file] = safe_open(str(meta.file), framework="pt", device="cpu")
             t = handles[meta.file].get_tensor(name)  # type: ignore[attr-defined]
             # Packed codes, scales and shapes keep their stored dtype; everything else computes in cdtype.
-            keep = name.endswith((".weight_packed", ".weight_scale", ".weight_shape")) or not t.is_floating_point()
+            keep = (
+                name.endswith((".weight_packed", ".weight_scale", ".weight_shape"))
+                or not t.is_floating_point()
+            )
             state[name] = t.to(dev, dtype=None if keep else cdtype)
     except Exception as e:  # safetensors raises its own error types on corrupt data
         raise CheckpointError(f"could not read the weights: {e}") from None
@@ -192,11 +201,17 @@ def _check_names_and_shapes(expected: dict[str, torch.Tensor], stored: dict[str,
     )
     problems = [
         f"{label}: {', '.join(items[:20])}{' ...' if len(items) > 20 else ''} ({len(items)} in all)"
-        for label, items in (("missing tensors", missing), ("unexpected tensors", extra), ("wrong shapes", wrong))
+        for label, items in (
+            ("missing tensors", missing),
+            ("unexpected tensors", extra),
+            ("wrong shapes", wrong),
+        )
         if items
     ]
     if problems:
-        raise CheckpointError("the checkpoint does not match the architecture in config.json: " + "; ".join(problems))
+        raise CheckpointError(
+            "the checkpoint does not match the architecture in config.json: " + "; ".join(problems)
+        )
 
 
 def build_report(model: EG2Model) -> LoadReport:

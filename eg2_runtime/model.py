@@ -106,17 +106,21 @@ class EG2Model(nn.Module):
         for token_id, (values, aux, encode) in media.items():
             slots = input_ids == token_id  # (B, T)
             n_slots = int(slots.sum())
-            if values is None:
+            if values is None or aux is None:
                 if n_slots:
                     raise ValueError(f"{n_slots} placeholder tokens {token_id} but no media inputs for them")
                 continue
             soft = encode(values, aux).to(embeds.dtype)  # (n_soft, H)
             if soft.shape[0] != n_slots:
-                raise ValueError(f"media gave {soft.shape[0]} soft tokens for {n_slots} placeholders of {token_id}")
+                raise ValueError(
+                    f"media gave {soft.shape[0]} soft tokens for {n_slots} placeholders of {token_id}"
+                )
             embeds = embeds.masked_scatter(slots[..., None], soft)
         return self.language_model(embeds, attention_mask.bool())
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None
+    ) -> torch.Tensor:
         """Unit embeddings (B, D) in fp32: mean over every token with attention_mask 1, then L2."""
         tokens = self.token_embeddings(input_ids, attention_mask, **media).float()
         return pool(tokens, attention_mask)
@@ -127,4 +131,3 @@ def pool(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     m = attention_mask.to(tokens.dtype)[..., None]
     mean = (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
     return F.normalize(mean, p=2, dim=-1)
-

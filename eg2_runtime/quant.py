@@ -82,7 +82,9 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.weight_packed = nn.Buffer(torch.empty(out_features, in_features // PACK, dtype=torch.int32))
-        self.weight_scale = nn.Buffer(torch.empty(out_features, in_features // group_size, dtype=torch.bfloat16))
+        self.weight_scale = nn.Buffer(
+            torch.empty(out_features, in_features // group_size, dtype=torch.bfloat16)
+        )
         self.weight_shape = nn.Buffer(torch.tensor([out_features, in_features], dtype=torch.int64))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.unpacked: torch.Tensor | None = None
@@ -91,7 +93,9 @@ class PackedLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, group_size: int) -> PackedLinear:
         out_f, in_f = linear.weight.shape
         m = cls(in_f, out_f, linear.bias is not None, group_size).to(linear.weight.device)
-        m.weight_packed, m.weight_scale = quantize(linear.weight.detach(), group_size)
+        packed, scale = quantize(linear.weight.detach(), group_size)
+        m.weight_packed.copy_(packed)
+        m.weight_scale.copy_(scale)
         if linear.bias is not None:
             m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return m
@@ -222,7 +226,7 @@ class Unpacker:
         layer.unpacked = None
 
 
-def _triton_dequantize_into():  # type: ignore[no-untyped-def]
+def _triton_dequantize_into():
     """The fused unpack kernel, or None where Triton is missing (the reference path then runs)."""
     try:
         from eg2_runtime.unpack_triton import dequantize_into

@@ -22,7 +22,9 @@ class PatchEmbedder(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.input_proj = nn.Linear(3 * cfg.patch_size**2, cfg.hidden_size, bias=False)
-        self.position_embedding_table = nn.Parameter(torch.zeros(2, cfg.position_embedding_size, cfg.hidden_size))
+        self.position_embedding_table = nn.Parameter(
+            torch.zeros(2, cfg.position_embedding_size, cfg.hidden_size)
+        )
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
         """(N, S, C) pixels in [0, 1], (N, S, 2) positions, (N, S) padding -> (N, S, V)."""
@@ -35,7 +37,9 @@ class PatchEmbedder(nn.Module):
         return h + torch.where(padding[..., None], 0.0, pe)
 
 
-def axial_rope(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def axial_rope(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
     """cos/sin (N, S, head_dim): channels [0, hd/2) rotate by x, [hd/2, hd) by y, each half-split."""
     half = head_dim // 2
     inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float, device=positions.device) / half))
@@ -89,7 +93,9 @@ class VisionLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.self_attn = VisionAttention(cfg)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, ClippableLinear, clipped=cfg.use_clipped_linears)
+        self.mlp = GatedMLP(
+            cfg.hidden_size, cfg.intermediate_size, ClippableLinear, clipped=cfg.use_clipped_linears
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)

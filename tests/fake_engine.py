@@ -214,10 +214,18 @@ def make_settings(**overrides: Any) -> Settings:
 class LiveServer:
     """create_app(settings, engine) under a real uvicorn, in a thread of this process."""
 
-    def __init__(self, settings: Settings, engine: Any | None = None, *, wait_ready: bool = True) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Any | None = None,
+        *,
+        wait_ready: bool = True,
+        ready_timeout: float = 10,
+    ) -> None:
         self.settings = settings
         self.engine = engine
         self._wait_ready = wait_ready
+        self._ready_timeout = ready_timeout  # a real engine's warm-up takes seconds on a CPU
         self.server: Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -245,7 +253,7 @@ class LiveServer:
             assert self._thread.is_alive() and time.monotonic() < deadline, "server did not start"
             time.sleep(0.01)
         if self._wait_ready:
-            self.wait_state(State.READY)
+            self.wait_state(State.READY, self._ready_timeout)
         return self
 
     def wait_state(self, state: State, timeout: float = 10) -> None:

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from app import cli
 from app.settings import Settings, env_name, flag_name, markdown_table
+from eg2_runtime.tools import samples
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,8 +100,8 @@ def test_secret_is_not_in_repr_or_dump() -> None:
 
 
 def test_docs_settings_table_is_current() -> None:
-    """docs/SERVICE.md carries the table generated from the field descriptions, verbatim."""
-    assert markdown_table() in (REPO / "docs" / "SERVICE.md").read_text()
+    """README.md carries the table generated from the field descriptions, verbatim."""
+    assert markdown_table() in (REPO / "README.md").read_text()
 
 
 # --- the runtime tools behind the CLI --------------------------------------------------------------
@@ -120,24 +121,27 @@ def fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> lis
     return calls
 
 
-def test_quantize_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = fake_module(monkeypatch, "eg2_runtime.tools.quantize", quantize_checkpoint=None)
-    assert cli.main(["quantize", "src", "dst", "--group-size", "64"]) == 0
-    assert calls == [("quantize_checkpoint", (Path("src"), Path("dst")), {"group_size": 64})]
+def test_demo_model_quantize_and_embed_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The real tools behind `eg2 demo-model`, `eg2 quantize` and `eg2 embed`, end to end."""
+    src, dst = tmp_path / "tiny", tmp_path / "tiny-w4"
+    assert cli.main(["demo-model", str(src), "--size", "tiny", "--seed", "3"]) == 0
+    assert (src / "model.safetensors").is_file() and (src / "tokenizer.json").is_file()
+    assert cli.main(["quantize", str(src), str(dst), "--group-size", "64"]) == 0
+    assert "Linear layers packed (vision_tower" in capsys.readouterr().out
+    assert cli.main(["quantize", str(dst), str(tmp_path / "again")]) == 1
+    assert "already quantized" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["quantize", "src", "dst", "--group-size", "48"])
-
-
-def test_demo_model_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = fake_module(monkeypatch, "eg2_runtime.tools.demo_model", write_demo_model=None)
-    assert cli.main(["demo-model", "out", "--size", "tiny", "--seed", "3", "--dtype", "float32"]) == 0
-    assert calls == [("write_demo_model", (Path("out"),), {"size": "tiny", "seed": 3, "dtype": "float32"})]
-
-
-def test_embed_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = fake_module(monkeypatch, "eg2_runtime.tools.embed", embed_cli=0)
-    assert cli.main(["embed", "--model", "m", "--dimensions", "256", "hello", "cat.png"]) == 0
-    assert calls == [("embed_cli", (Path("m"), ["hello", "cat.png"]), {"dimensions": 256})]
+        cli.main(["quantize", str(src), str(dst), "--group-size", "48"])
+    png = tmp_path / "cat.png"
+    png.write_bytes(samples.png(64, 48))
+    assert (
+        cli.main(["embed", "--model", str(dst), "--device", "cpu", "--dimensions", "256", "hello", str(png)])
+        == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["text", "image"] and all(
+        "|v|=1.000" in line for line in lines
+    )
 
 
 def test_bench_wiring(monkeypatch: pytest.MonkeyPatch) -> None:

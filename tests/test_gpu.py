@@ -98,9 +98,17 @@ def test_packed_bf16_matches_reference(full: dict[str, Path], results: Path | No
         features = ref16.model_inputs(inputs)
         e16, e32 = ref16.embed_features(features), ref32.embed_features(features)
         with torch.no_grad():
-            got = model(**{k: v.cuda() for k, v in features.items() if k != "num_frames_per_video"}).cpu().numpy()
+            got = (
+                model(**{k: v.cuda() for k, v in features.items() if k != "num_frames_per_video"})
+                .cpu()
+                .numpy()
+            )
         cos = lambda a, b: [round(float(c), 6) for c in np.sum(a * b, axis=1)]  # noqa: E731
-        figures[kind] = {"ours_vs_ref_bf16": cos(got, e16), "ours_vs_ref_fp32": cos(got, e32), "ref_bf16_vs_fp32": cos(e16, e32)}
+        figures[kind] = {
+            "ours_vs_ref_bf16": cos(got, e16),
+            "ours_vs_ref_fp32": cos(got, e32),
+            "ref_bf16_vs_fp32": cos(e16, e32),
+        }
     record(results, "gpu_parity_cosine", figures)
     worst = min(min(f["ours_vs_ref_bf16"]) for f in figures.values())
     assert worst >= 0.9999, f"cosine {worst:.6f} < 0.9999 against the BF16 reference: {figures}"
@@ -132,6 +140,7 @@ def test_unpack_overlaps_matmuls(full: dict[str, Path], results: Path | None) ->
     prof.export_chrome_trace(str(trace))
     # Kernel events of the Chrome trace carry their stream; intervals are (ts, ts + dur) in us.
     kernels = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+
     # CUPTI's stream numbers are not torch's stream ids: the main stream is the one running the
     # matmuls, and every kernel on another stream is the unpacker's.
     def is_gemm(e: dict) -> bool:  # type: ignore[type-arg]
@@ -155,40 +164,42 @@ def test_unpack_overlaps_matmuls(full: dict[str, Path], results: Path | None) ->
     assert overlapped > 0, "no unpack kernel overlapped a matmul"
 
 
+def _forward_ms(model_dir: Path) -> dict[str, float]:
+    """CUDA-event time of one forward, averaged over 10 after 3 warm-ups, per workload."""
+    model: EG2Model = load_model(model_dir, "cuda")[0]
+    pixels = torch.rand(16, 280 * 9, 768, device="cuda")
+    pos = torch.full((16, 280 * 9, 2), -1, dtype=torch.long, device="cuda")
+    grid = torch.stack(torch.meshgrid(torch.arange(48), torch.arange(48), indexing="xy"), -1).reshape(-1, 2)
+    pos[:, : 48 * 48] = grid.cuda()
+    feats = torch.randn(16, 930, 128, device="cuda")
+    mask = torch.ones(16, 930, dtype=torch.bool, device="cuda")
+    ids = torch.randint(10, 1000, (64, 40), device="cuda")
+    runs = {
+        "image_16": lambda: model.image_soft_tokens(pixels, pos),
+        "audio_16x9.3s": lambda: model.audio_soft_tokens(feats, mask),
+        "text_64x40": lambda: model(ids, torch.ones_like(ids)),
+    }
+    figures = {}
+    with torch.no_grad():
+        for name, fn in runs.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            figures[name] = round(start.elapsed_time(end) / 10, 3)
+    return figures
+
+
 def test_packed_throughput_figures(full: dict[str, Path], results: Path | None) -> None:
     """Not a target check (that is `eg2 bench`): forward times packed vs BF16, to guide the work."""
-    figures: dict[str, dict[str, float]] = {}
-    for label, kw in (("packed", {"model_dir": full["w4"]}), ("bf16", {"model_dir": full["bf16"]})):
-        model: EG2Model = load_model(kw["model_dir"], "cuda")[0]
-        pixels = torch.rand(16, 280 * 9, 768, device="cuda")
-        pos = torch.full((16, 280 * 9, 2), -1, dtype=torch.long, device="cuda")
-        grid = torch.stack(torch.meshgrid(torch.arange(48), torch.arange(48), indexing="xy"), -1).reshape(-1, 2)
-        pos[:, : 48 * 48] = grid.cuda()
-        feats = torch.randn(16, 930, 128, device="cuda")
-        mask = torch.ones(16, 930, dtype=torch.bool, device="cuda")
-        ids = torch.randint(10, 1000, (64, 40), device="cuda")
-        am = torch.ones_like(ids)
-        runs = {
-            "image_16": lambda: model.image_soft_tokens(pixels, pos),  # noqa: B023
-            "audio_16x9.3s": lambda: model.audio_soft_tokens(feats, mask),  # noqa: B023
-            "text_64x40": lambda: model(ids, am),  # noqa: B023
-        }
-        figures[label] = {}
-        with torch.no_grad():
-            for name, fn in runs.items():
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(10):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                figures[label][name] = round(start.elapsed_time(end) / 10, 3)
-        del model
-        gc.collect()
-        torch.cuda.empty_cache()
+    figures = {label: _forward_ms(full[key]) for label, key in (("packed", "w4"), ("bf16", "bf16"))}
+    gc.collect()
+    torch.cuda.empty_cache()
     record(results, "gpu_forward_ms", figures)
 
 
@@ -202,7 +213,11 @@ def test_triton_unpack_bit_identical_on_every_layer(full: dict[str, Path], resul
         i
         for i, m in enumerate(layers)
         if not torch.equal(
-            dequantize_into(m.weight_packed, m.weight_scale, torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16, device="cuda")),
+            dequantize_into(
+                m.weight_packed,
+                m.weight_scale,
+                torch.empty(m.out_features, m.in_features, dtype=torch.bfloat16, device="cuda"),
+            ),
             m.dequantize(),
         )
     ]

@@ -28,8 +28,9 @@ def test_report_counts_what_is_stored(tiny_w4: Path) -> None:
     assert report.packed_total == n_packed > 0
     assert set(report.packed) == {"vision_tower", "audio_tower"}
     assert report.resident_bytes < report.bf16_bytes, "packed weights should be smaller than BF16"
-    assert f"{n_packed} packed (vision {report.packed['vision_tower']}, audio {report.packed['audio_tower']})" in (
-        report.summary()
+    assert (
+        f"{n_packed} packed (vision {report.packed['vision_tower']}, audio {report.packed['audio_tower']})"
+        in (report.summary())
     )
 
 
@@ -37,7 +38,9 @@ def test_text_only_loads_no_tower(tiny_w4: Path) -> None:
     model, report = load_model(tiny_w4, "cpu", modalities={"text"})
     assert model.vision_tower is None and model.audio_tower is None
     assert report.packed_total == 0
-    assert not any(n.startswith(("vision_tower", "audio_tower", "embed_")) for n, _ in model.named_parameters())
+    assert not any(
+        n.startswith(("vision_tower", "audio_tower", "embed_")) for n, _ in model.named_parameters()
+    )
 
 
 def test_load_time_packing_equals_the_quantizer(tiny_bf16: Path, tiny_w4: Path) -> None:
@@ -45,7 +48,9 @@ def test_load_time_packing_equals_the_quantizer(tiny_bf16: Path, tiny_w4: Path) 
     from_file, _ = load_model(tiny_w4, "cpu")
     a, b = packed_at_load.state_dict(), from_file.state_dict()
     assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "pack=True gave different codes or scales than eg2 quantize"
+    assert all(torch.equal(a[k], b[k]) for k in a), (
+        "pack=True gave different codes or scales than eg2 quantize"
+    )
 
 
 def test_fp16_is_refused(tiny_bf16: Path, tmp_path: Path) -> None:
@@ -75,7 +80,9 @@ def test_missing_extra_and_misshaped_tensors_are_listed(tiny_bf16: Path, tmp_pat
     with pytest.raises(CheckpointError, match=rf"missing tensors: {name}"):
         load_model(missing, "cpu")
 
-    extra = _copy_with(tiny_bf16, tmp_path / "extra", lambda t: t.update({"language_model.bogus": torch.zeros(2)}))
+    extra = _copy_with(
+        tiny_bf16, tmp_path / "extra", lambda t: t.update({"language_model.bogus": torch.zeros(2)})
+    )
     with pytest.raises(CheckpointError, match=r"unexpected tensors: language_model.bogus"):
         load_model(extra, "cpu")
 
@@ -91,5 +98,5 @@ def test_missing_weights_file(tiny_bf16: Path, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     shutil.copytree(tiny_bf16, empty)
     (empty / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model.safetensors is missing"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is missing"):
         load_model(empty, "cpu")

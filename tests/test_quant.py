@@ -24,7 +24,9 @@ from eg2_runtime.tools.quantize import quantization_config, quantize_checkpoint
 
 def test_pack_matches_compressed_tensors_bit_for_bit() -> None:
     q = torch.randint(-8, 8, (48, 256), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
-    assert torch.equal(pack(q), pack_to_int32(q, 4)), "our int32 words differ from compressed-tensors' pack_to_int32"
+    assert torch.equal(pack(q), pack_to_int32(q, 4)), (
+        "our int32 words differ from compressed-tensors' pack_to_int32"
+    )
     assert torch.equal(unpack(pack(q)), q), "unpack(pack(q)) != q"
 
 
@@ -47,11 +49,15 @@ def test_quantizer_output_is_decompressed_identically_by_compressed_tensors(tiny
     assert layers, "the quantized tiny checkpoint loaded with no packed layer"
     with safe_open(str(tiny_w4 / "model.safetensors"), framework="pt") as f:
         for name, layer in layers.items():
-            stored = {k: f.get_tensor(f"{name}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}
+            stored = {
+                k: f.get_tensor(f"{name}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")
+            }
             theirs = PackedQuantizationCompressor.decompress(stored, scheme)["weight"]
             ours = layer.dequantize()
             assert ours.dtype == theirs.dtype == torch.bfloat16
-            assert torch.equal(ours, theirs), f"{name}: our dequantized weight differs from compressed-tensors'"
+            assert torch.equal(ours, theirs), (
+                f"{name}: our dequantized weight differs from compressed-tensors'"
+            )
 
 
 def test_full_architecture_packs_exactly_247_linears() -> None:
@@ -60,26 +66,38 @@ def test_full_architecture_packs_exactly_247_linears() -> None:
     names = packable_linears(model)
     by_tower = {t: sum(n.startswith(t) for n in names) for t in ("vision_tower", "audio_tower")}
     assert by_tower == {"vision_tower": 113, "audio_tower": 134}, by_tower
-    assert all(model.get_submodule(n).in_features % 128 == 0 for n in names), "an in_features is not a multiple of 128"
+    assert all(model.get_submodule(n).in_features % 128 == 0 for n in names), (
+        "an in_features is not a multiple of 128"
+    )
 
 
 def test_quantizer_is_deterministic_and_complete(tiny_bf16: Path, tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     report = quantize_checkpoint(tiny_bf16, a, group_size=32, progress=False)
     quantize_checkpoint(tiny_bf16, b, group_size=32, progress=False)
-    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes(), "not deterministic"
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes(), (
+        "not deterministic"
+    )
     with torch.device("meta"):
         expected = len(packable_linears(EG2Model(ModelConfig.from_dir(tiny_bf16))))
     assert sum(report.packed.values()) == expected
-    side = sorted(p.relative_to(tiny_bf16) for p in tiny_bf16.rglob("*") if p.is_file() and p.suffix != ".safetensors")
-    assert all((a / p).is_file() for p in side), "tokenizer/processor/sentence-transformers files were not copied"
+    side = sorted(
+        p.relative_to(tiny_bf16) for p in tiny_bf16.rglob("*") if p.is_file() and p.suffix != ".safetensors"
+    )
+    assert all((a / p).is_file() for p in side), (
+        "tokenizer/processor/sentence-transformers files were not copied"
+    )
     cfg = json.loads((a / "config.json").read_text())
     assert cfg["quantization_config"] == quantization_config(32)
     with safe_open(str(a / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         clip = [k for k in keys if k.startswith("audio_tower") and k.endswith(("input_min", "output_max"))]
         assert clip, "the audio clip buffers were dropped"
-        assert not [k for k in keys if k.endswith(".weight_packed") and not k.startswith(("vision_tower", "audio_tower"))]
+        assert not [
+            k
+            for k in keys
+            if k.endswith(".weight_packed") and not k.startswith(("vision_tower", "audio_tower"))
+        ]
         assert f.get_tensor(next(k for k in keys if k.endswith("weight_scale"))).dtype == torch.bfloat16
 
 
@@ -97,7 +115,9 @@ def test_unpack_hooks_equal_the_reference_path() -> None:
     """Fast path (Unpacker hooks, here the synchronous CPU variant) == reference (dequantize in forward)."""
     torch.manual_seed(0)
     seq = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 64, bias=False))
-    packed = torch.nn.Sequential(PackedLinear.from_linear(seq[0], 32), seq[1], PackedLinear.from_linear(seq[2], 32))
+    packed = torch.nn.Sequential(
+        PackedLinear.from_linear(seq[0], 32), seq[1], PackedLinear.from_linear(seq[2], 32)
+    )
     x = torch.randn(5, 64)
     reference = packed(x)
     unpacker = Unpacker(packed, torch.float32)
@@ -107,4 +127,6 @@ def test_unpack_hooks_equal_the_reference_path() -> None:
     finally:
         unpacker.remove()
     assert torch.equal(fast, reference) and torch.equal(again, reference)
-    assert all(m.unpacked is None for m in packed if isinstance(m, PackedLinear)), "dense weights outlived forward"
+    assert all(m.unpacked is None for m in packed if isinstance(m, PackedLinear)), (
+        "dense weights outlived forward"
+    )

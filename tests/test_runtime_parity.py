@@ -35,7 +35,9 @@ def smooth_image(width: int, height: int, seed: int) -> Image.Image:
 
 def tone(seconds: float, hz: float = 440.0) -> tuple[np.ndarray, int]:
     t = np.arange(int(seconds * 16_000)) / 16_000
-    return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * np.sin(2 * np.pi * 3 * hz * t)).astype(np.float32), 16_000
+    return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * np.sin(2 * np.pi * 3 * hz * t)).astype(
+        np.float32
+    ), 16_000
 
 
 def video(frames: int, seed: int) -> dict[str, object]:
@@ -50,7 +52,10 @@ CASES: dict[str, tuple[list[object], str | None]] = {
     "two image sizes": ([smooth_image(300, 200, 1), smooth_image(120, 500, 2)], None),
     "audio 1 s and 10 s": ([{"audio": tone(1.0)}, {"audio": tone(10.0, 220.0)}], None),
     "8-frame video": ([video(8, 3)], None),
-    "text+image": ([{"content": [("text", "a photo of"), ("image", smooth_image(200, 150, 4)), ("text", "a cat")]}], None),
+    "text+image": (
+        [{"content": [("text", "a photo of"), ("image", smooth_image(200, 150, 4)), ("text", "a cat")]}],
+        None,
+    ),
 }
 
 
@@ -108,7 +113,9 @@ def reference_bf16(tiny_bf16: Path) -> Reference:
 
 
 @pytest.mark.parametrize("case", ["text+prompt", "two image sizes", "audio 1 s and 10 s", "8-frame video"])
-def test_bf16_on_cpu_reproduces_reference_rounding(case: str, reference_bf16: Reference, tiny_bf16: Path) -> None:
+def test_bf16_on_cpu_reproduces_reference_rounding(
+    case: str, reference_bf16: Reference, tiny_bf16: Path
+) -> None:
     """In BF16 (CPU kernels, deterministic) we round where the reference rounds: same vectors to
     float precision, so GPU differences can only come from kernel choices, not from our math."""
     model = load_model(tiny_bf16, "cpu", dtype=torch.bfloat16)[0]

@@ -194,7 +194,7 @@ class _Reference:
     def __init__(self, model_dir: str | Path) -> None:
         from transformers import AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)  # type: ignore[no-untyped-call]
+        self.processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
 
     def text(self, texts: list[str]) -> float:
         out = self.processor.tokenizer(texts)

@@ -69,13 +69,17 @@ def quantization_config(group_size: int) -> dict[str, object]:
     }
 
 
-def quantize_checkpoint(src: str | Path, dst: str | Path, group_size: int = 128, progress: bool = True) -> QuantizeReport:
+def quantize_checkpoint(
+    src: str | Path, dst: str | Path, group_size: int = 128, progress: bool = True
+) -> QuantizeReport:
     src, dst = Path(src), Path(dst)
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group size must be one of {GROUP_SIZES}, got {group_size}")
     raw = json.loads((src / "config.json").read_text())
     if "quantization_config" in raw:
-        raise CheckpointError(f"{src} is already quantized ({raw['quantization_config'].get('format')}); give a BF16 source")
+        raise CheckpointError(
+            f"{src} is already quantized ({raw['quantization_config'].get('format')}); give a BF16 source"
+        )
     stored = read_header(src)
     if any(n.endswith(".weight_packed") for n in stored):
         raise CheckpointError(f"{src} already holds packed weights; give a BF16 source")
@@ -92,7 +96,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, group_size: int = 128,
         raise CheckpointError(f"{src} lacks tower weights: {', '.join(missing[:10])}")
     for t in targets:
         if stored[f"{t}.weight"].shape[1] % group_size:
-            raise CheckpointError(f"{t} has in_features {stored[f'{t}.weight'].shape[1]}, not a multiple of {group_size}")
+            raise CheckpointError(
+                f"{t} has in_features {stored[f'{t}.weight'].shape[1]}, not a multiple of {group_size}"
+            )
 
     # The output layout, known from the header alone, so tensors can be streamed one at a time.
     layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -139,7 +145,12 @@ def _copy_side_files(src: Path, dst: Path) -> None:
     """Tokenizer, processor and sentence-transformers files: everything but the weights."""
     for path in sorted(src.rglob("*")):
         rel = path.relative_to(src)
-        if path.is_dir() or rel.name in WEIGHT_FILES or rel.suffix == ".safetensors" or rel == Path("config.json"):
+        if (
+            path.is_dir()
+            or rel.name in WEIGHT_FILES
+            or rel.suffix == ".safetensors"
+            or rel == Path("config.json")
+        ):
             continue
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dst / rel)

@@ -21,7 +21,10 @@ DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32
 
 class SafetensorsWriter:
     def __init__(
-        self, path: Path, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+        self,
+        path: Path,
+        layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
     ) -> None:
         self.path = path
         self.order = list(layout)
@@ -31,7 +34,11 @@ class SafetensorsWriter:
         for name in self.order:
             dtype, shape = layout[name]
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
@@ -45,7 +52,9 @@ class SafetensorsWriter:
             raise ValueError(f"tensors must be written in layout order: got {name}, expected {expected}")
         dtype, shape = self.layout[name]
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{name}: got {tensor.dtype} {list(tensor.shape)}, layout says {dtype} {list(shape)}")
+            raise ValueError(
+                f"{name}: got {tensor.dtype} {list(tensor.shape)}, layout says {dtype} {list(shape)}"
+            )
         self.fh.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
         self.next += 1
 
