@@ -32,7 +32,6 @@ import hashlib
 import json
 import logging
 import math
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,12 +42,12 @@ from tokenizers.models import BPE
 
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.model import EG2Model
+from eg2_runtime.tools.writer import SafetensorsWriter
 
 logger = logging.getLogger(__name__)
 
 SIZES = ("tiny", "full")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
 TRANSFORMERS_VERSION = "5.23.0"  # the reference the written configs mirror
 
 # ---------------------------------------------------------------------------------------------
@@ -326,30 +325,14 @@ def _tensor_chunks(
 
 
 def _write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int, dtype: torch.dtype) -> int:
-    """Stream a safetensors file: header first (offsets are known from the shapes), then each
-    tensor generated and written in turn, so memory stays at one block. Returns bytes of data."""
+    """Stream a safetensors file: each tensor generated and written in turn, so memory stays at one
+    block. Returns bytes of data."""
+    layout = {name: (dtype, shapes[name]) for name in sorted(shapes)}
+    with SafetensorsWriter(path, layout, metadata={"format": "pt"}) as out:
+        for name, (_, shape) in layout.items():
+            out.write_parts(name, _tensor_chunks(name, shape, seed, dtype))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    names = sorted(shapes)
-    for name in names:
-        nbytes = math.prod(shapes[name]) * itemsize
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(shapes[name]),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name in names:
-            for chunk in _tensor_chunks(name, shapes[name], seed, dtype):
-                # Raw little-endian bytes; view as uint8 works for bf16, which numpy lacks.
-                f.write(chunk.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return offset
+    return sum(math.prod(shape) for shape in shapes.values()) * itemsize
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 
@@ -47,15 +48,26 @@ class SafetensorsWriter:
         self.next = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        _, shape = self.layout.get(name, (None, ()))
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{name}: got shape {list(tensor.shape)}, layout says {list(shape)}")
+        self.write_parts(name, [tensor])
+
+    def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write one tensor given as consecutive row blocks (so a large one is never whole in memory)."""
         if self.next >= len(self.order) or name != self.order[self.next]:
             expected = self.order[self.next] if self.next < len(self.order) else "nothing"
             raise ValueError(f"tensors must be written in layout order: got {name}, expected {expected}")
         dtype, shape = self.layout[name]
-        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(
-                f"{name}: got {tensor.dtype} {list(tensor.shape)}, layout says {dtype} {list(shape)}"
-            )
-        self.fh.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        written = 0
+        for part in parts:
+            if part.dtype != dtype:
+                raise ValueError(f"{name}: got {part.dtype}, layout says {dtype}")
+            # Raw little-endian bytes; a uint8 view works for bf16, which numpy lacks.
+            self.fh.write(part.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            written += part.numel()
+        if written != math.prod(shape):
+            raise ValueError(f"{name}: wrote {written} elements, layout says {math.prod(shape)}")
         self.next += 1
 
     def __enter__(self) -> SafetensorsWriter:
