@@ -225,11 +225,12 @@ def test_triton_unpack_bit_identical_on_every_layer(full: dict[str, Path], resul
     assert len(layers) == 247 and not mismatched
 
 
-def test_profile_packed_audio(full: dict[str, Path], results: Path | None) -> None:
-    """Where the packed audio forward spends CPU and GPU time (a table for the speed work)."""
+@pytest.mark.parametrize("weights", ["w4", "bf16"])
+def test_profile_audio(full: dict[str, Path], results: Path | None, weights: str) -> None:
+    """Where the audio forward spends CPU and GPU time, packed and BF16 (tables for the speed work)."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, _ = load_model(full["w4"], "cuda", modalities={"text", "audio"})
+    model, _ = load_model(full[weights], "cuda", modalities={"text", "audio"})
     feats = torch.randn(16, 930, 128, device="cuda")
     mask = torch.ones(16, 930, dtype=torch.bool, device="cuda")
     with torch.no_grad():
@@ -241,6 +242,6 @@ def test_profile_packed_audio(full: dict[str, Path], results: Path | None) -> No
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     gpu_table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15)
-    print(table)
     if results is not None:
-        (results / "profile_packed_audio.txt").write_text(table + "\n\n" + gpu_table + "\n")
+        results.mkdir(parents=True, exist_ok=True)
+        (results / f"profile_audio_{weights}.txt").write_text(table + "\n\n" + gpu_table + "\n")

@@ -46,5 +46,7 @@ def embed_cli(
             print(json.dumps({"input": arg, "tokens": prepared.num_tokens, "embedding": vector.tolist()}))
         else:
             head = " ".join(f"{x:+.4f}" for x in vector[:6])
-            print(f"{item.modality:5} {prepared.num_tokens:5d} tok  [{head} ...] |v|={np.linalg.norm(vector):.3f}  {arg}")
+            print(
+                f"{item.modality:5} {prepared.num_tokens:5d} tok  [{head} ...] |v|={np.linalg.norm(vector):.3f}  {arg}"
+            )
     return status
