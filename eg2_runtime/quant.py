@@ -14,9 +14,13 @@ layer into a reused scratch buffer on a side CUDA stream, one layer ahead, order
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 NUM_BITS = 4
 PACK = 32 // NUM_BITS  # codes per int32 word
@@ -192,8 +196,12 @@ class Unpacker:
                 self.stream.wait_event(self.started)
             view = self._view(layer, slot)
             if self.fast is not None:
-                self.fast(layer.weight_packed, layer.weight_scale, view)
-            else:
+                try:
+                    self.fast(layer.weight_packed, layer.weight_scale, view)
+                except Exception as e:  # e.g. no C compiler for Triton's launcher: keep serving
+                    log.warning("fused unpack kernel unavailable (%s); using the reference unpack", e)
+                    self.fast = None
+            if self.fast is None:
                 view.copy_(layer.dequantize())
             ready = torch.cuda.Event()
             ready.record(self.stream)
