@@ -43,8 +43,10 @@ typecheck: $(STAMP)
 
 check: lint typecheck test
 
+## The benchmark: on a GPU `make bench`; on a CPU `make bench BENCH_ARGS=--quick` (tiny model).
+BENCH_ARGS ?=
 bench: $(STAMP)
-	$(VENV)/bin/eg2 bench
+	$(VENV)/bin/eg2 bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,282 @@
+"""Configuration (d): the HTTP service end to end, driven over loopback by a load generator.
+
+The real app (`app.server.build_server`: FastAPI, the batcher, its preprocessing pool, one GPU thread)
+serves the engine of configuration (a) from a uvicorn thread of this process. The service's knobs are
+its defaults (EG2_* variables apply, as for `eg2 serve`); only host, port, API key and logging are
+fixed here. Bodies are OpenAI requests serialised before timing (media as base64 data URIs / input_audio),
+with `encoding_format: base64`, the OpenAI SDK's default. Two kinds of figures:
+
+- the named workloads, one request per call of the workload, one at a time (a synchronous client);
+- the sweep: one single-item request per client at concurrency 1, 32 and 128 (asyncio + httpx), for
+  each input of the matrix; p50/p99 client latency, items/s, and the server's own x-queue-time-ms and
+  x-inference-time-ms headers, which split a tail into waiting for a batch and running it.
+
+Assumes: this module sits above the runtime, as app/cli.py does (eg2_runtime itself never imports app:
+only this tool does, lazily). The load generator shares the interpreter with the server, so its CPU
+time is recorded (`client_cpu_s`): it competes with the server's event loop for the GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import httpx
+import numpy as np
+
+from eg2_runtime.engine import Engine, PreparedItem
+from eg2_runtime.inputs import Item, PrepareOptions
+from eg2_runtime.tools.bench_measure import Budget, Progress, stats, time_rounds
+from eg2_runtime.tools.bench_workloads import MIME, Input, Named
+
+PATH = "/v1/embeddings"
+HEADERS = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Request:
+    body: bytes
+    items: int
+    tokens: int
+
+
+def request(inputs: Sequence[Input]) -> Request:
+    """The OpenAI body for these items, as a client sends it."""
+    items: list[Any] = []
+    for x in inputs:
+        if x.kind == "text":
+            items.append(x.text)
+            continue
+        b64 = base64.b64encode(x.data).decode()
+        if x.kind == "audio":
+            items.append({"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}})
+        else:
+            key = "image_url" if x.kind == "image" else "video_url"
+            items.append({"type": key, key: {"url": f"data:{MIME[x.kind]};base64,{b64}"}})
+    body = {"model": "eg2", "input": items, "encoding_format": "base64"}
+    return Request(json.dumps(body).encode(), len(inputs), sum(x.tokens for x in inputs))
+
+
+class _Prewarmed:
+    """The (a) engine as the service sees it, without the boot warm-up. That warm-up runs one
+    full-size batch per modality (8192 text tokens, 1120-token images, 32-frame video) to prove it
+    fits; the bench warms the engine on its own inputs instead, and on a CPU the boot batches alone
+    would take longer than the whole quick mode."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.modalities = engine.modalities
+        self.prompts = engine.prompts
+        self.max_text_tokens = engine.max_text_tokens
+
+    def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
+        return self._engine.prepare(item, options)
+
+    def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
+        return self._engine.embed(batch)
+
+    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
+        return []
+
+    def info(self) -> dict[str, Any]:
+        return self._engine.info()
+
+    def memory(self) -> dict[str, int]:
+        return self._engine.memory()
+
+
+class LiveService:
+    """create_app under a real uvicorn on 127.0.0.1 (a free port), in a thread of this process."""
+
+    def __init__(self, engine: Engine) -> None:
+        from app.server import build_server  # the service: only configuration (d) needs it
+        from app.settings import Settings
+
+        self.settings = Settings(host="127.0.0.1", port=0, api_key=None, log_level="warning", log_json=False)
+        self.server = build_server(self.settings, _Prewarmed(engine))
+        self._thread = threading.Thread(target=self.server.run, name="bench-uvicorn", daemon=True)
+
+    def __enter__(self) -> LiveService:
+        from app.service import State
+
+        self._thread.start()
+        deadline = time.monotonic() + 120
+        while not (self.server.started and self.server.service.state is State.READY):
+            if not self._thread.is_alive() or self.server.service.state is State.FAILED:
+                raise RuntimeError(f"the service did not start: {self.server.service.failure}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the service was not ready within 120 s")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+# -------------------------------------------------------------------------------------- named calls
+
+
+def _post(client: httpx.Client, requests: Sequence[Request], i: int) -> None:
+    r = client.post(PATH, content=requests[i].body, headers=HEADERS)
+    if r.status_code != 200:
+        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+
+
+def measure_named(url: str, named: Sequence[Named], budget: Budget, progress: Progress) -> dict[str, Any]:
+    """Each named workload as sequential requests, one per call, timed like the in-process cells."""
+    cells: dict[str, Any] = {}
+    with httpx.Client(base_url=url, timeout=600) as client:
+        for n in named:
+            w = n.workload
+            requests = [request(c) for c in w.calls]
+            cell: dict[str, Any] = {
+                "family": w.family,
+                "modality": w.modality,
+                "batch": w.batch,
+                "calls_per_round": len(w.calls),
+                "items_per_round": w.items,
+                "tokens_per_round": w.tokens,
+                "error": None,
+            }
+            try:
+                first = client.post(PATH, content=requests[0].body, headers=HEADERS)
+                first.raise_for_status()
+                if len(first.json()["data"]) != w.batch:
+                    raise RuntimeError(f"{len(first.json()['data'])} vectors for {w.batch} items")
+                cell["call"] = time_rounds(partial(_post, client, requests), w, budget)
+            except Exception as e:
+                cell["error"] = f"{type(e).__name__}: {e}"[:500]
+            cells[w.key] = cell
+            c = cell.get("call")
+            line = (
+                f"p50 {c['p50_ms']:.1f} ms, {c['items_per_s']:.1f} items/s"
+                if c
+                else f"FAILED {cell['error']}"
+            )
+            progress(f"d {w.key}: {line}")
+    return cells
+
+
+# ----------------------------------------------------------------------------------------- the sweep
+
+
+async def _drive(
+    client: httpx.AsyncClient, req: Request, concurrency: int, seconds: float, min_requests: int
+) -> dict[str, Any]:
+    """`concurrency` clients each sending `req` back to back until `min_requests` are answered and
+    `seconds` have passed (or 4 x seconds, for slow requests)."""
+    latencies: list[float] = []
+    queue_ms: list[float] = []
+    inference_ms: list[float] = []
+    failures: Counter[str] = Counter()
+    issued = 0
+    start = time.perf_counter()
+
+    async def client_loop() -> None:
+        nonlocal issued
+        while True:
+            elapsed = time.perf_counter() - start
+            if issued >= min_requests and elapsed >= seconds:
+                return
+            if issued >= concurrency and elapsed >= 4 * seconds:  # slow requests: one each, at least
+                return
+            issued += 1
+            s = time.perf_counter()
+            try:
+                r = await client.post(PATH, content=req.body, headers=HEADERS)
+            except httpx.HTTPError as e:
+                failures[type(e).__name__] += 1
+                continue
+            if r.status_code != 200:
+                failures[f"HTTP {r.status_code}"] += 1
+                continue
+            latencies.append(time.perf_counter() - s)
+            queue_ms.append(float(r.headers.get("x-queue-time-ms", "nan")))
+            inference_ms.append(float(r.headers.get("x-inference-time-ms", "nan")))
+
+    cpu0 = time.thread_time()
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    out: dict[str, Any] = {
+        "concurrency": concurrency,
+        "requests": issued,
+        "failures": dict(failures),
+        "client_cpu_s": time.thread_time() - cpu0,
+        "wall_s": wall,
+        "error": None,
+    }
+    if not latencies:
+        out["error"] = f"no request succeeded: {dict(failures)}"
+        return out
+    n = len(latencies)
+    out |= stats(latencies, n * req.items, n * req.tokens, wall, req.items)
+    for name, values in (("server_queue", queue_ms), ("server_inference", inference_ms)):
+        v = np.asarray(values)
+        out[f"{name}_p50_ms"] = float(np.nanpercentile(v, 50)) if np.isfinite(v).any() else None
+        out[f"{name}_p99_ms"] = float(np.nanpercentile(v, 99)) if np.isfinite(v).any() else None
+    return out
+
+
+async def _sweep(
+    url: str,
+    inputs: Sequence[tuple[str, Input]],
+    concurrencies: Sequence[int],
+    budget: Budget,
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    limits = httpx.Limits(max_connections=max(concurrencies), max_keepalive_connections=max(concurrencies))
+    rows = []
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+        for family, x in inputs:
+            req = request([x])
+            if budget.warmup:  # a few requests at once: the first batches of this input are not timed
+                await _drive(client, req, min(8, max(concurrencies)), 0.0, min(8, max(concurrencies)))
+            for c in concurrencies:
+                row = {"family": family, "modality": x.kind, "tokens_per_item": x.tokens}
+                row |= await _drive(
+                    client, req, c, budget.seconds, max(budget.min_rounds + 1, c * budget.per_client)
+                )
+                rows.append(row)
+                progress(_sweep_line(row))
+    return rows
+
+
+def _sweep_line(row: dict[str, Any]) -> str:
+    head = f"d sweep {row['family']} c={row['concurrency']}: "
+    if row["error"]:
+        return head + f"FAILED {row['error']}"
+    return head + (
+        f"p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, {row['items_per_s']:.1f} items/s "
+        f"({row['requests']} requests)"
+    )
+
+
+def run_service(
+    engine: Engine,
+    named: Sequence[Named],
+    sweep_inputs: Sequence[tuple[str, Input]],
+    concurrencies: Sequence[int],
+    budget: Budget,
+    progress: Progress,
+) -> dict[str, Any]:
+    """Configuration (d): the named workloads one request at a time, then the concurrency sweep."""
+    with LiveService(engine) as live:
+        settings = live.settings.model_dump(mode="json", exclude={"api_key"})
+        settings["max_batch_tokens_in_effect"] = live.server.service.batch_tokens()
+        out: dict[str, Any] = {"settings": settings}
+        out["named"] = measure_named(live.url, named, budget, progress)
+        out["sweep"] = asyncio.run(_sweep(live.url, sweep_inputs, concurrencies, budget, progress))
+    return out
