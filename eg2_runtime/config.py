@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eg2_runtime.errors import CheckpointError
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
@@ -219,8 +221,17 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: a model directory needs the Hugging Face config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+            raise CheckpointError(
+                f"config.json not found in {Path(model_dir).name}: a model directory needs it"
+            )
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"config.json is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(raw)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"config.json does not describe an EmbeddingGemma 2 model: {e}") from None
 
 
 def _first(value: int | list[int]) -> int:

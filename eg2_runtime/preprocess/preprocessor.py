@@ -72,10 +72,9 @@ class Preprocessor:
         model_dir = Path(model_dir)
         config = config or ModelConfig.from_dir(model_dir)
         pc_path = model_dir / "processor_config.json"
-        processor_config = json.loads(pc_path.read_text(encoding="utf-8")) if pc_path.is_file() else {}
+        processor_config = _read_json(pc_path) if pc_path.is_file() else {}
         if "feature_extractor" not in processor_config and (model_dir / "preprocessor_config.json").is_file():
-            fe = json.loads((model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
-            processor_config["feature_extractor"] = fe
+            processor_config["feature_extractor"] = _read_json(model_dir / "preprocessor_config.json")
         try:
             return cls(
                 TextTokenizer.from_file(model_dir / "tokenizer.json"),
@@ -255,6 +254,16 @@ class _Staged:
     audio: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (F, 128) features, (F,) mask
     audio_truncated: bool = False
     soft: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # placeholder id -> counts
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path.name} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path.name} must hold a JSON object")
+    return d
 
 
 def prepare_item(item: Item, options: PrepareOptions, ctx: Preprocessor) -> Prepared:

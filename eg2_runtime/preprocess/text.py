@@ -70,8 +70,14 @@ class Prompts:
         path = Path(model_dir) / "config_sentence_transformers.json"
         if not path.is_file():
             return cls({})
-        d = json.loads(path.read_text(encoding="utf-8"))
-        return cls(d.get("prompts") or {}, d.get("default_prompt_name"))
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+            prompts, default = d.get("prompts") or {}, d.get("default_prompt_name")
+        except (ValueError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"config_sentence_transformers.json is not valid: {e}") from None
+        if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
+            raise CheckpointError("config_sentence_transformers.json: `prompts` must map names to strings")
+        return cls(prompts, default)
 
     def resolve(self, prompt_name: str | None = None, prompt: str | None = None) -> str | None:
         """The literal prefix for a request, as sentence-transformers' encode picks it.
