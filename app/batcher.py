@@ -41,6 +41,7 @@ from eg2_runtime.inputs import Item, PrepareOptions
 
 log = logging.getLogger("eg2.batcher")
 T = TypeVar("T")
+JOIN_TIMEOUT_S = 1.0  # how long close() waits for worker threads to finish their current job
 
 
 class EngineLike(Protocol):
@@ -64,10 +65,13 @@ class Threads:
 
     Not concurrent.futures: its workers are joined at interpreter exit, so one wedged engine call
     would keep the process alive past its drain deadline. A job whose future was cancelled before a
-    thread picked it up is skipped.
+    thread picked it up is skipped. Stop them with close() then `await join(timeout)`: a daemon thread
+    still dropping tensors when the interpreter finalizes is killed inside a C++ destructor, and the
+    whole process aborts (SIGABRT) instead of exiting 0.
     """
 
     def __init__(self, n: int, name: str) -> None:
+        self.name = name
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)
@@ -89,17 +93,30 @@ class Threads:
         for _ in self._threads:
             self._jobs.put(None)
 
+    async def join(self, timeout_s: float) -> bool:
+        """Wait for the threads to leave after close(); False if one is still busy at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while any(t.is_alive() for t in self._threads):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            loop, future, fn, args = job
-            if future.cancelled():  # read across threads: at worst the work is done for nothing
-                continue
-            try:
-                result, error = fn(*args), None
-            except BaseException as exc:
-                result, error = None, exc
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
-                loop.call_soon_threadsafe(_settle, future, result, error)
+            _run_job(*job)
+            del job  # drop this job's tensors now, not when the next job comes (which may be at exit)
+
+
+def _run_job(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], fn: Any, args: Any) -> None:
+    if future.cancelled():  # read across threads: at worst the work is done for nothing
+        return
+    try:
+        result, error = fn(*args), None
+    except BaseException as exc:
+        result, error = None, exc
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
+        loop.call_soon_threadsafe(_settle, future, result, error)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -272,6 +289,10 @@ class Batcher:
         self.abort(Unavailable("the server is shutting down"))
         self._prep.close()
         self._gpu.close()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for threads in (self._prep, self._gpu):
+            if not await threads.join(deadline - time.monotonic()):  # a wedged engine call: exit without it
+                log.warning("a worker thread is still busy at shutdown", extra={"threads": threads.name})
 
     def abort(self, exc: BaseException) -> None:
         """Fail every request in flight with `exc` (drain deadline, shutdown)."""

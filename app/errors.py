@@ -95,6 +95,12 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
     return None
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """A client-sent value cut for an error message: answers stay small whatever was sent (a 30 MB
+    `model` field is not sent back), and a pasted secret or payload is not reflected whole."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def error_body(message: str, name: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": name, "param": param, "code": name}}
 
@@ -128,16 +134,19 @@ def response_for(exc: BaseException) -> JSONResponse:
 
 
 def _param(loc: tuple[int | str, ...]) -> str | None:
-    """('input', 2, 'image_url', 'url') -> 'input[2].image_url.url' (the `body` prefix dropped)."""
+    """('input', 2, 'image_url', 'url') -> 'input[2].image_url.url' (the `body` prefix dropped).
+
+    Names are clipped: an unknown field's name is the client's, and may be megabytes long.
+    """
     parts = [p for p in loc if p != "body" and not (isinstance(p, str) and p.startswith("<"))]
     out = ""
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
         elif out:
-            out += f".{part}"
+            out += f".{clip(part)}"
         else:
-            out = str(part)
+            out = clip(str(part))
     return out or None
 
 
@@ -182,9 +191,9 @@ async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     # Starlette's own 404 (no route) and 405 (wrong method), and HTTPExceptions FastAPI raises.
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}"
+        message = f"no route {clip(request.method)} {clip(request.url.path)}"
     elif exc.status_code == 405:
-        message = f"method {request.method} not allowed on {request.url.path}"
+        message = f"method {clip(request.method)} not allowed on {clip(request.url.path)}"
     else:
         message = str(exc.detail)
     name = "invalid_request_error" if exc.status_code < 500 else INTERNAL_ERROR

@@ -13,6 +13,7 @@ import binascii
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from app.errors import clip
 from app.schemas import AudioPartIn, EmbeddingRequest, ImagePartIn, PartIn, TextPartIn, VideoPartIn
 from app.settings import Settings
 from eg2_runtime.errors import InputError, InputTooLargeError, MediaDecodeError, ModalityNotLoadedError
@@ -65,7 +66,7 @@ def parse_data_uri(url: str, kind: MediaKind, param: str) -> tuple[bytes, str]:
     if major != kind or subtype not in table:
         allowed = ", ".join(sorted({f"{kind}/{s}" for s in table}))
         raise MediaDecodeError(
-            f"expected a {kind} data URI ({allowed}), got {mime.strip() or 'no type'}", param=param
+            f"expected a {kind} data URI ({allowed}), got {clip(mime.strip()) or 'no type'}", param=param
         )
     return _b64(payload, param), table[subtype]
 
@@ -98,7 +99,7 @@ class MediaResolver:
             audio_format = part.input_audio.format.strip().lower()
             if audio_format not in AUDIO_FORMATS:
                 raise MediaDecodeError(
-                    f"audio format must be one of {', '.join(sorted(AUDIO_FORMATS))}, got {audio_format!r}",
+                    f"audio format must be one of {', '.join(sorted(AUDIO_FORMATS))}, got {clip(audio_format)!r}",
                     param=f"{param}.input_audio.format",
                 )
             return MediaPart("audio", _b64(part.input_audio.data, f"{param}.input_audio.data"), audio_format)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.batcher import Batcher, Embedded, EngineLike
-from app.errors import ModelNotFound, Unavailable
+from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
 from app.schemas import EmbeddingRequest
 from app.settings import Settings
@@ -251,7 +251,8 @@ class Service:
         s = self.settings
         if name is not None and name != s.served_name and name not in s.aliases:
             raise ModelNotFound(
-                f"the model {name!r} does not exist; this server serves {s.served_name!r}", param="model"
+                f"the model {clip(name)!r} does not exist; this server serves {s.served_name!r}",
+                param="model",
             )
 
     def prepare_options(self, request: EmbeddingRequest) -> PrepareOptions:
@@ -261,7 +262,7 @@ class Service:
             if request.prompt_name not in prompts:
                 known = ", ".join(sorted(prompts)) or "none"
                 raise InputError(
-                    f"unknown prompt_name {request.prompt_name!r}; known: {known}", param="prompt_name"
+                    f"unknown prompt_name {clip(request.prompt_name)!r}; known: {known}", param="prompt_name"
                 )
             prompt = prompts[request.prompt_name]
         return PrepareOptions(prompt=prompt, truncate=request.truncate, image_tokens=request.image_tokens)
@@ -280,7 +281,8 @@ class Service:
 
     def health_problem(self) -> str | None:
         if self.state is State.FAILED:
-            return f"startup failed: {self.failure}"
+            # The reason is in the log: it may name server paths, and /health answers without a key.
+            return "startup failed; the server log has the reason"
         return self._batcher.problem() if self._batcher is not None else None
 
     def _publish_memory(self) -> None:

@@ -113,14 +113,20 @@ def test_groups_items_of_similar_cost() -> None:
 
     async def body(b: Batcher) -> None:
         engine.stall()
+        # Occupy the (stalled) GPU first: the scheduler waits on that batch, so every item below is
+        # queued before any of their batches is formed, whatever the timing of the preprocess threads.
+        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
+        await until(lambda: len(engine.batches) == 1)
         tasks = [asyncio.create_task(b.embed(items(t), OPTS)) for t in interleaved]
-        await until(settled(b, engine, len(interleaved)))
+        await until(lambda: b.queued() == len(interleaved))
         engine.release()
-        await asyncio.gather(*tasks)
+        await asyncio.gather(busy, *tasks)
 
     run(engine, body, max_batch_tokens=5000, max_batch_items=8)
-    mixed = [b for b in engine.batches[1:] if len({p.cost > 100 for p in b}) > 1]
+    batches = engine.batches[1:]
+    mixed = [b for b in batches if len({p.cost > 100 for p in b}) > 1]
     assert not mixed, f"short and long items batched together: {[[p.cost for p in b] for b in mixed]}"
+    assert sorted(len(b) for b in batches) == [8, 8], [[p.cost for p in b] for b in batches]
 
 
 def test_queue_delay_gathers_companions() -> None:
