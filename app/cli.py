@@ -1,6 +1,7 @@
 """The `eg2` command: `serve` here; the runtime's tools wired in, imported only when called.
 
 eg2 serve [--model DIR] [--port 8000] ...     every Settings field is a flag (and an EG2_* variable)
+eg2 serve-ray --replicas N [--min-replicas A --max-replicas B] ...   the same app as N Ray Serve replicas
 eg2 quantize SRC DST [--group-size 32|64|128]
 eg2 demo-model DST --size tiny|full [--seed N] [--dtype bfloat16|float32]
 eg2 embed [--model DIR] [--dimensions N] [--json] INPUT...   text, or image/audio/video file paths
@@ -53,6 +54,75 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     setup_logging(settings.log_level, settings.log_json)
     return serve(settings)
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    from app.logs import setup_logging
+
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False, include_input=False):
+            where = ".".join(str(p) for p in error["loc"]) or "settings"
+            print(f"eg2 serve-ray: {where}: {error['msg']}", file=sys.stderr)
+        return 2
+    try:
+        from app.ray_serve import ScaleOptions, serve_ray
+    except ImportError as exc:  # ray is an optional dependency
+        print(f"eg2 serve-ray: needs ray[serve] ({exc}); pip install 'ray[serve]'", file=sys.stderr)
+        return 2
+    try:
+        options = ScaleOptions(
+            replicas=args.replicas,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests,
+            max_ongoing_requests=args.max_ongoing_requests,
+            num_cpus=args.cpus_per_replica,
+            num_gpus=args.gpus_per_replica,
+        )
+    except ValueError as exc:
+        print(f"eg2 serve-ray: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level, settings.log_json)
+    return serve_ray(settings, options, address=args.ray_address)
+
+
+def _add_scale_flags(parser: argparse.ArgumentParser) -> None:
+    """Deployment knobs of `serve-ray` (app/ray_serve.py ScaleOptions); the service settings follow."""
+    group = parser.add_argument_group("replicas (Ray Serve)")
+    group.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas to run, one per GPU (initial count when autoscaling)",
+    )
+    group.add_argument("--min-replicas", type=int, help="autoscale: fewest replicas (with --max-replicas)")
+    group.add_argument("--max-replicas", type=int, help="autoscale: most replicas (with --min-replicas)")
+    group.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=16.0,
+        help="autoscale: ongoing requests per replica Ray aims for; lower scales out sooner, before a "
+        "replica's batches are full [default: 16]",
+    )
+    group.add_argument(
+        "--max-ongoing-requests",
+        type=int,
+        default=128,
+        help="requests Ray hands one replica at once (the rest wait in Ray's proxy) [default: 128]",
+    )
+    group.add_argument(
+        "--cpus-per-replica", type=float, default=1.0, help="CPU cores Ray reserves per replica [default: 1]"
+    )
+    group.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        help="GPUs per replica [default: 1 when the cluster has GPUs and --device is not cpu, else 0]",
+    )
+    group.add_argument(
+        "--ray-address", help="join this Ray cluster (e.g. `auto` or ray://host:10001); default: start one"
+    )
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -112,6 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the HTTP server")
     _add_settings_flags(serve)
     serve.set_defaults(run=_serve)
+
+    serve_ray = sub.add_parser("serve-ray", help="run the HTTP server as Ray Serve replicas (one per GPU)")
+    _add_scale_flags(serve_ray)
+    _add_settings_flags(serve_ray)
+    serve_ray.set_defaults(run=_serve_ray)
 
     quantize = sub.add_parser("quantize", help="pack a checkpoint's linear weights to 4 bits")
     quantize.add_argument("src")
