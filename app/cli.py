@@ -41,16 +41,23 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
+def _settings_or_report(args: argparse.Namespace, prog: str) -> Settings | None:
+    """The settings, or None after printing each invalid one (no traceback)."""
+    try:
+        return settings_from_args(args)
+    except ValidationError as exc:
+        for error in exc.errors(include_url=False, include_input=False):
+            where = ".".join(str(p) for p in error["loc"]) or "settings"
+            print(f"{prog}: {where}: {error['msg']}", file=sys.stderr)
+        return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from app.logs import setup_logging
     from app.server import serve
 
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        for error in exc.errors(include_url=False, include_input=False):
-            where = ".".join(str(p) for p in error["loc"]) or "settings"
-            print(f"eg2 serve: {where}: {error['msg']}", file=sys.stderr)
+    settings = _settings_or_report(args, "eg2 serve")
+    if settings is None:
         return 2
     setup_logging(settings.log_level, settings.log_json)
     return serve(settings)
@@ -59,12 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _serve_ray(args: argparse.Namespace) -> int:
     from app.logs import setup_logging
 
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        for error in exc.errors(include_url=False, include_input=False):
-            where = ".".join(str(p) for p in error["loc"]) or "settings"
-            print(f"eg2 serve-ray: {where}: {error['msg']}", file=sys.stderr)
+    settings = _settings_or_report(args, "eg2 serve-ray")
+    if settings is None:
         return 2
     try:
         from app.ray_serve import ScaleOptions, serve_ray

@@ -498,21 +498,15 @@ def _cpu_name() -> str:
 def _git() -> str | None:
     """The commit of this checkout, with "+dirty" for local changes; None outside a git checkout."""
     root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=True
+        )
+        return done.stdout.strip()
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain")
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")

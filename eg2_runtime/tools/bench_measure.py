@@ -52,6 +52,19 @@ class Budget:
         return replace(self, seconds=self.seconds * factor, warmup=self.warmup if warmup is None else warmup)
 
 
+def cell_header(w: Workload) -> dict[str, Any]:
+    """What every result cell records about its workload, before any figure."""
+    return {
+        "family": w.family,
+        "modality": w.modality,
+        "batch": w.batch,
+        "calls_per_round": len(w.calls),
+        "items_per_round": w.items,
+        "tokens_per_round": w.tokens,
+        "error": None,
+    }
+
+
 def stats(
     latencies_s: Sequence[float], items: int, tokens: int, wall_s: float, per_call: int
 ) -> dict[str, Any]:
@@ -325,15 +338,7 @@ def measure(
     missing reference processor) records its error and the run goes on."""
     cells: dict[str, dict[str, Any]] = {}
     for w in workloads:
-        cell: dict[str, Any] = {
-            "family": w.family,
-            "modality": w.modality,
-            "batch": w.batch,
-            "calls_per_round": len(w.calls),
-            "items_per_round": w.items,
-            "tokens_per_round": w.tokens,
-            "error": None,
-        }
+        cell = cell_header(w)
         memory.reset_peak()
         t0 = time.perf_counter()
         try:

@@ -34,7 +34,7 @@ import numpy as np
 
 from eg2_runtime.engine import Engine, PreparedItem
 from eg2_runtime.inputs import Item, PrepareOptions
-from eg2_runtime.tools.bench_measure import Budget, Progress, stats, time_rounds
+from eg2_runtime.tools.bench_measure import Budget, Progress, cell_header, stats, time_rounds
 from eg2_runtime.tools.bench_workloads import MIME, Input, Named
 
 PATH = "/v1/embeddings"
@@ -142,15 +142,7 @@ def measure_named(url: str, named: Sequence[Named], budget: Budget, progress: Pr
         for n in named:
             w = n.workload
             requests = [request(c) for c in w.calls]
-            cell: dict[str, Any] = {
-                "family": w.family,
-                "modality": w.modality,
-                "batch": w.batch,
-                "calls_per_round": len(w.calls),
-                "items_per_round": w.items,
-                "tokens_per_round": w.tokens,
-                "error": None,
-            }
+            cell = cell_header(w)
             try:
                 first = client.post(PATH, content=requests[0].body, headers=HEADERS)
                 first.raise_for_status()
