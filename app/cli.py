@@ -172,9 +172,10 @@ def _embed(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from app.bench_service import run_service
     from eg2_runtime.tools.bench import main as bench_main
 
-    result = bench_main(list(args.argv))
+    result = bench_main(list(args.argv), service=run_service)
     return result if isinstance(result, int) else 0
 
 

@@ -145,6 +145,9 @@ def test_demo_model_quantize_and_embed_commands(tmp_path: Path, capsys: pytest.C
 
 
 def test_bench_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`eg2 bench` hands its arguments on untouched and injects the app's service runner for (d)."""
+    from app.bench_service import run_service
+
     calls = fake_module(monkeypatch, "eg2_runtime.tools.bench", main=3)
     assert cli.main(["bench", "--model", "m", "--batch", "8"]) == 3
-    assert calls == [("main", (["--model", "m", "--batch", "8"],), {})]
+    assert calls == [("main", (["--model", "m", "--batch", "8"],), {"service": run_service})]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from app.bench_service import request, run_service
 from app.cli import main as cli_main
 from app.schemas import parse_request
 from eg2_runtime.errors import CheckpointError
@@ -21,7 +22,6 @@ from eg2_runtime.preprocess import Preprocessor
 from eg2_runtime.tools import bench
 from eg2_runtime.tools.bench_measure import Budget, Memory, measure, time_rounds
 from eg2_runtime.tools.bench_report import named_value, targets
-from eg2_runtime.tools.bench_service import request
 from eg2_runtime.tools.bench_workloads import FAMILIES, QUICK, Factory, Input, Workload, checkpoints, named
 
 CONFIGS = ("a", "b", "c", "d")
@@ -59,8 +59,10 @@ def _positive_call(call: dict[str, Any], where: str) -> None:
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     out = tmp_path_factory.mktemp("bench")
+    # As `eg2 bench` runs it: the app's service runner injected for configuration (d).
     code = bench.main(
-        ["--quick", "--device", "cpu", "--out", str(out / "result"), "--cache-dir", str(out / "cache")]
+        ["--quick", "--device", "cpu", "--out", str(out / "result"), "--cache-dir", str(out / "cache")],
+        service=run_service,
     )
     return code, out / "result"
 

@@ -7,7 +7,7 @@
 
 Configurations, run in this order on the same inputs (bench_workloads.py):
     (a) our runtime serving the hybrid-w4 checkpoint, packed        Engine.from_dir(w4)
-    (d) the HTTP service over loopback, serving the (a) engine      bench_service.py
+    (d) the HTTP service over loopback, serving the (a) engine      app/bench_service.py
     (b) our runtime serving the BF16 checkpoint the w4 was made from  Engine.from_dir(bf16)
     (c) transformers 5.23 + sentence-transformers in BF16 on that BF16 checkpoint: `encode()` end to end
 Each configuration is freed before the next loads, so its memory figures are its own.
@@ -27,7 +27,7 @@ concurrency 1 and 8, smaller inputs and counts (bench_workloads.QUICK): it prove
 its figures mean little. The exit status is 1 when any cell failed; the outputs are written anyway.
 
 Files: bench.py (CLI, the run, outputs), bench_workloads.py (checkpoints, inputs), bench_measure.py (timing,
-memory, the in-process runners), bench_service.py (d), bench_report.py (targets, markdown),
+memory, the in-process runners), app/bench_service.py (d, injected by `eg2 bench`), bench_report.py (targets, markdown),
 bench_chart.py (the PNG). How to read the results: docs/BENCH.md.
 """
 
@@ -45,7 +45,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -82,6 +82,9 @@ CONFIGS = ("a", "b", "c", "d")
 DEFAULT_CACHE = Path.home() / ".cache" / "eg2" / "bench"
 
 
+ServiceRunner = Callable[..., dict[str, Any]]
+
+
 @dataclass(frozen=True)
 class Options:
     out: Path
@@ -94,6 +97,9 @@ class Options:
     batch_sizes: tuple[int, ...]
     concurrency: tuple[int, ...]
     budget: Budget
+    # Configuration (d), the HTTP service: injected by `eg2 bench` (app/bench_service.py), since the
+    # runtime never imports the app. None: (d) is reported as not run.
+    service: ServiceRunner | None = None
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -367,9 +373,10 @@ def _run_packed(
                 "label": CONFIG_LABELS["d"],
                 "error": f"the (a) engine did not load: {a.get('error')}",
             }
+        elif opts.service is None:
+            out["d"] = {"label": CONFIG_LABELS["d"], "error": "the service runs only under `eg2 bench`"}
         else:
-            from eg2_runtime.tools.bench_service import run_service
-
+            run_service = opts.service
             out["d"] = _guarded(
                 "d",
                 lambda: {
@@ -454,7 +461,12 @@ def _meta(opts: Options, argv: list[str]) -> dict[str, Any]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["eg2", "bench", *argv]),  # the same as `python -m eg2_runtime.tools.bench ...`
         "process_argv": sys.argv,
-        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
+        "options": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in asdict(replace(opts, service=None)).items()
+            if k != "service"
+        }
+        | {"service": opts.service is not None},
         "size": opts.size,
         "quick": opts.quick,
         "configs": list(opts.configs),
@@ -538,9 +550,9 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, service: ServiceRunner | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    opts = parse(argv)
+    opts = replace(parse(argv), service=service)
     results = run(opts, argv)
     paths = write(results, opts.out)
     print("\n".join(str(p) for p in paths))
