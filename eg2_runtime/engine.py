@@ -34,7 +34,7 @@ from eg2_runtime.inputs import (
     TextPart,
 )
 from eg2_runtime.loader import LoadReport, load_model
-from eg2_runtime.model import ALL_MODALITIES, EG2Model
+from eg2_runtime.model import EG2Model
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
 
 log = logging.getLogger(__name__)
@@ -91,20 +91,11 @@ class Engine:
         `pack`: serve a BF16 checkpoint's tower Linears as int4, quantized at load time.
         """
         model_dir = Path(model_dir)
-        wanted = frozenset(modalities) if modalities is not None else ALL_MODALITIES
         t0 = time.perf_counter()
-        from eg2_runtime.config import ModelConfig
-
-        config = ModelConfig.from_dir(model_dir)
-        if modalities is None:  # everything the checkpoint has
-            wanted = frozenset(
-                {"text"}
-                | ({"image", "video"} if config.vision else set())
-                | ({"audio"} if config.audio else set())
-            )
+        wanted = frozenset(modalities) if modalities is not None else None
         model, report = load_model(model_dir, device, wanted, dtype=dtype, pack=pack, group_size=group_size)
         media = sorted(model.modalities - {"text"})
-        pre = Preprocessor.from_dir(model_dir, config, limits=limits, modalities=media)  # type: ignore[arg-type]
+        pre = Preprocessor.from_dir(model_dir, model.config, limits=limits, modalities=media)  # type: ignore[arg-type]
         log.info("engine ready in %.1f s on %s: %s", time.perf_counter() - t0, device, report.summary())
         return cls(model, report, pre, model_dir)
 

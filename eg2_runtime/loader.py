@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError
-from eg2_runtime.model import ALL_MODALITIES, EG2Model
+from eg2_runtime.model import EG2Model
 from eg2_runtime.quant import PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def load_model(
     model_dir: str | Path,
     device: str | torch.device = "auto",
-    modalities: frozenset[str] | set[str] = ALL_MODALITIES,
+    modalities: frozenset[str] | set[str] | None = None,
     dtype: torch.dtype | None = None,
     pack: bool = False,
     group_size: int = 128,
@@ -120,6 +120,7 @@ def load_model(
 ) -> tuple[EG2Model, LoadReport]:
     """Build, load and prepare a model for inference. Returns it in eval mode with its report.
 
+    `modalities`: the towers to load; None loads every tower the checkpoint has.
     `pack`: quantize a BF16 checkpoint's tower Linears at load time (already-packed layers stay).
     `unpack_hooks`: attach the side-stream Unpacker; without it packed layers dequantize on the fly.
     """

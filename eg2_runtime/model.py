@@ -36,9 +36,14 @@ class MultimodalEmbedder(nn.Module):
 
 
 class EG2Model(nn.Module):
-    def __init__(self, config: ModelConfig, modalities: Iterable[str] = ALL_MODALITIES) -> None:
+    def __init__(self, config: ModelConfig, modalities: Iterable[str] | None = None) -> None:
+        """`modalities`: the towers to build; None builds every tower the checkpoint has."""
         super().__init__()
         self.config = config
+        if modalities is None:
+            modalities = ({"image", "video"} if config.vision else set()) | (
+                {"audio"} if config.audio else set()
+            )
         wanted = frozenset(modalities) | {"text"}
         if unknown := wanted - ALL_MODALITIES:
             raise ValueError(f"unknown modalities {sorted(unknown)}; choose from {sorted(ALL_MODALITIES)}")

@@ -18,6 +18,7 @@ from PIL import Image
 
 from eg2_runtime.loader import load_model
 from eg2_runtime.model import EG2Model
+from eg2_runtime.tools import samples
 from tests.reference import Reference, load_reference
 
 TOL = 1e-5
@@ -26,18 +27,11 @@ PROMPT = "task: search result | query: "
 
 def smooth_image(width: int, height: int, seed: int) -> Image.Image:
     """A smooth gradient image (random weights are ill-conditioned on white noise in bf16)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width] / max(width, height)
-    phase = rng.uniform(0, 2 * np.pi, 3)
-    rgb = np.stack([np.sin(3 * x + 2 * y + p) for p in phase], axis=-1) * 0.5 + 0.5
-    return Image.fromarray((rgb * 255).astype(np.uint8))
+    return Image.fromarray(samples.gradient(width, height, seed))
 
 
 def tone(seconds: float, hz: float = 440.0) -> tuple[np.ndarray, int]:
-    t = np.arange(int(seconds * 16_000)) / 16_000
-    return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * np.sin(2 * np.pi * 3 * hz * t)).astype(
-        np.float32
-    ), 16_000
+    return samples.tone(seconds, 16_000, hz), 16_000
 
 
 def video(frames: int, seed: int) -> dict[str, object]:

@@ -29,11 +29,15 @@ def png(width: int = 640, height: int = 480, seed: int = 0) -> bytes:
     return out.getvalue()
 
 
-def wav(seconds: float = 1.0, rate: int = 16_000, hz: float = 440.0) -> bytes:
+def tone(seconds: float = 1.0, rate: int = 16_000, hz: float = 440.0) -> np.ndarray:
+    """(n,) float32 mono: a tone and its third harmonic."""
     t = np.arange(int(seconds * rate)) / rate
-    wave = 0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * np.sin(2 * np.pi * 3 * hz * t)
+    return (0.3 * np.sin(2 * np.pi * hz * t) + 0.05 * np.sin(2 * np.pi * 3 * hz * t)).astype(np.float32)
+
+
+def wav(seconds: float = 1.0, rate: int = 16_000, hz: float = 440.0) -> bytes:
     out = io.BytesIO()
-    sf.write(out, wave.astype(np.float32), rate, format="WAV", subtype="PCM_16")
+    sf.write(out, tone(seconds, rate, hz), rate, format="WAV", subtype="PCM_16")
     return out.getvalue()
 
 
