@@ -95,14 +95,20 @@ def load_engine(settings: Settings) -> EngineLike:
     limits = MediaLimits(
         max_image_pixels=settings.max_image_pixels, max_video_seconds=settings.max_video_seconds
     )
-    from eg2_runtime.engine import Engine  # pulls in torch: only when really loading
+    from eg2_runtime.engine import Engine, EngineOptions  # pulls in torch: only when really loading
 
+    options = EngineOptions(
+        graph_max_tokens=settings.cuda_graph_max_tokens,
+        capture_graphs_at_start=settings.cuda_graphs_at_start,
+        host_token_table=settings.host_token_table,
+    )
     engine: EngineLike = Engine.from_dir(
         model_dir,
         device=settings.device,
         modalities=None if settings.modalities is None else frozenset(settings.modalities),
         limits=limits,
         pack=settings.pack,
+        options=options,
     )
     return engine
 

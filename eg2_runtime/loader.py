@@ -41,6 +41,7 @@ class LoadReport:
     packed: dict[str, int] = field(default_factory=dict)  # tower -> packed Linear count
     dense_tensors: int = 0
     resident_bytes: int = 0  # weights on the device, as loaded
+    host_bytes: int = 0  # weights kept in pinned host memory (the token table, on request)
     bf16_bytes: int = 0  # the same weights if every tensor were BF16
     group_size: int | None = None
 
@@ -54,6 +55,7 @@ class LoadReport:
             f"{self.packed_total} packed ({towers or 'none'}), {self.dense_tensors} dense tensors, "
             f"{self.resident_bytes / MiB:.1f} MiB resident vs {self.bf16_bytes / MiB:.1f} MiB as BF16 "
             f"({self.resident_bytes / max(self.bf16_bytes, 1):.3f}x)"
+            + (f", {self.host_bytes / MiB:.1f} MiB in host memory" if self.host_bytes else "")
         )
 
 

@@ -86,10 +86,9 @@ class EG2Model(nn.Module):
         states, valid = self.audio_tower(features.to(self.dtype), mask.bool())
         return self.embed_audio(states)[valid]
 
-    def token_embeddings(
+    def input_embeddings(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
         pixel_values: torch.Tensor | None = None,
         image_position_ids: torch.Tensor | None = None,
         pixel_values_videos: torch.Tensor | None = None,
@@ -97,7 +96,9 @@ class EG2Model(nn.Module):
         input_features: torch.Tensor | None = None,
         input_features_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Per-token embeddings (B, T, D), before pooling. Argument names are the HF processor's."""
+        """(B, T, H): token embeddings with the media soft tokens scattered in, the text encoder's
+        input. Argument names are the HF processor's. `input_ids` may stay on the host (the engine
+        keeps them there): counting placeholders then needs no device sync."""
         cfg = self.config
         media = {
             cfg.image_token_id: (pixel_values, image_position_ids, self.image_soft_tokens),
@@ -120,8 +121,14 @@ class EG2Model(nn.Module):
                 raise ValueError(
                     f"media gave {soft.shape[0]} soft tokens for {n_slots} placeholders of {token_id}"
                 )
-            embeds = embeds.masked_scatter(slots[..., None], soft)
-        return self.language_model(embeds, attention_mask.bool())
+            embeds = embeds.masked_scatter(slots.to(embeds.device)[..., None], soft)
+        return embeds
+
+    def token_embeddings(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Per-token embeddings (B, T, D), before pooling."""
+        return self.language_model(self.input_embeddings(input_ids, **media), attention_mask.bool())
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None

@@ -119,17 +119,49 @@ class TextEncoder(nn.Module):
         self.embedding_projection = nn.Linear(cfg.hidden_size, cfg.embedding_dim, bias=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) ids -> (B, T, H), scaled by sqrt(H) rounded to the weight dtype (22.625 in bf16)."""
-        scale = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=self.embed_tokens.weight.dtype)
-        return self.embed_tokens(input_ids) * scale.to(input_ids.device)
+        """(B, T) ids -> (B, T, H) on the compute device, scaled by sqrt(H) rounded to the weight
+        dtype (22.625 in bf16).
 
-    def forward(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) merged embeddings, (B, T) bool valid -> (B, T, D) per-token embeddings."""
+        The table may live in pinned host memory (`keep_table_on_host`): rows are then gathered on
+        the CPU and only the (B, T, H) result crosses the bus. The product is the same either way.
+        """
+        table = self.embed_tokens.weight
+        device = self.embedding_projection.weight.device
+        if table.device == device:
+            rows = self.embed_tokens(input_ids.to(device, non_blocking=True))
+        else:
+            ids = input_ids.to(table.device).reshape(-1)
+            staged = torch.empty(
+                (ids.numel(), table.shape[1]), dtype=table.dtype, pin_memory=table.is_pinned()
+            )
+            torch.index_select(table, 0, ids, out=staged)
+            rows = staged.to(device, non_blocking=True).view(*input_ids.shape, -1)
+        scale = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=table.dtype)
+        return rows * scale.to(device)
+
+    def keep_table_on_host(self) -> int:
+        """Move the (V, H) token table to pinned host memory; returns the device bytes freed.
+
+        262144 x 512 bf16 is 256 MiB, a third of a hybrid-w4 checkpoint's resident weights. The cost
+        is a host gather and one (B, T, H) copy per batch instead of a device gather.
+        """
+        table = self.embed_tokens.weight
+        if table.device.type != "cuda":
+            return 0  # already in host memory
+        self.embed_tokens.weight = nn.Parameter(table.cpu().pin_memory(), requires_grad=False)
+        return table.nbytes
+
+    def forward(self, embeds: torch.Tensor, valid: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """(B, T, H) merged embeddings, (B, T) bool valid -> (B, T, D) per-token embeddings.
+
+        `static`: always build the attention masks, never branch on the data, so the call can be
+        captured in a CUDA graph (graphs.py). The default skips masks where nothing is masked.
+        """
         cfg = self.cfg
         ple = self.ple(embeds)  # (B, T, L, P)
         t = embeds.shape[1]
         positions = torch.arange(t, device=embeds.device)
-        masks = attention_masks(valid, cfg.sliding_window)
+        masks = attention_masks(valid, cfg.sliding_window, static)
         rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         x = embeds
         for i, layer in enumerate(self.layers):
@@ -142,16 +174,17 @@ class TextEncoder(nn.Module):
         return self.embedding_projection(self.norm(x))
 
 
-def attention_masks(valid: torch.Tensor, window: int) -> dict[str, torch.Tensor | None]:
+def attention_masks(valid: torch.Tensor, window: int, static: bool = False) -> dict[str, torch.Tensor | None]:
     """Boolean SDPA masks (True = attend) per layer kind, or None where nothing is masked.
 
     None lets SDPA take its fastest kernel, the one the reference's SDPA path takes on the same
-    input; a batch without padding that fits the window needs no mask at all.
+    input; a batch without padding that fits the window needs no mask at all. Finding that out reads
+    `valid` on the host (a device sync), so `static` skips the check and always masks.
     """
     t = valid.shape[1]
     positions = torch.arange(t, device=valid.device)
     in_window = (positions[:, None] - positions[None, :]).abs() <= window  # (T, T)
-    if bool(valid.all()):
+    if not static and bool(valid.all()):
         return {FULL: None, SLIDING: None if t - 1 <= window else in_window[None, None]}
     padded = key_padding_mask(valid)  # (B, 1, T, T)
     return {FULL: padded, SLIDING: padded & in_window}

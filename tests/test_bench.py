@@ -24,7 +24,7 @@ from eg2_runtime.tools.bench_measure import Budget, Memory, measure, time_rounds
 from eg2_runtime.tools.bench_report import named_value, targets
 from eg2_runtime.tools.bench_workloads import FAMILIES, QUICK, Factory, Input, Workload, checkpoints, named
 
-CONFIGS = ("a", "b", "c", "d")
+CONFIGS = ("a", "b", "c", "d", "e")
 NAMED = (
     "short_query",
     "docs_one_call",
@@ -101,6 +101,11 @@ def test_json_has_every_configuration_and_workload(quick: tuple[int, Path]) -> N
             assert cell["embed"]["p50_ms"] > 0 and cell["forward"]["p50_ms"] > 0, (key, family)
         for family in ("text_long", "image"):
             assert results["configs"][key]["matrix"][f"{family}/b1"]["forward_tflops"] > 0, (key, family)
+
+    e = results["configs"]["e"]  # (a) with the token table in host memory: named workloads only
+    assert set(e["named"]) == set(NAMED) and not e["matrix"]
+    for name, cell in e["named"].items():
+        _positive_call(cell["call"], f"(e) {name}")
 
     d = results["configs"]["d"]
     assert set(d["named"]) == set(NAMED)

@@ -15,14 +15,19 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from eg2_runtime.engine import Engine, EngineOptions
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
 from eg2_runtime.model import EG2Model
+from eg2_runtime.tools import samples
 from eg2_runtime.tools.demo_model import write_demo_model
 from eg2_runtime.tools.quantize import quantize_checkpoint
 from tests.test_runtime_parity import smooth_image, tone, video
@@ -245,3 +250,100 @@ def test_profile_audio(full: dict[str, Path], results: Path | None, weights: str
     if results is not None:
         results.mkdir(parents=True, exist_ok=True)
         (results / f"profile_audio_{weights}.txt").write_text(table + "\n\n" + gpu_table + "\n")
+
+
+# ---- the engine's fast paths against its reference paths ---------------------------------------
+
+
+def _engine(model_dir: Path, **options: Any) -> Engine:
+    return Engine.from_dir(model_dir, device="cuda", options=EngineOptions(**options))
+
+
+def _fast_path_items() -> dict[str, list[Item]]:
+    words = [
+        "embeddings",
+        "map",
+        "meaning",
+        "to",
+        "vectors",
+        "and",
+        "similar",
+        "texts",
+        "land",
+        "close",
+        "together",
+    ]
+    text = lambda n, s: Item((TextPart(" ".join(words[(s + i) % len(words)] for i in range(n))),))  # noqa: E731
+    return {
+        "1 short": [text(12, 0)],
+        "8 mixed": [text(10 + 7 * i, i) for i in range(8)],
+        "64 mixed": [text(15 + (13 * i) % 45, i) for i in range(64)],
+        "1 long": [text(2000, 3)],
+        "image+text": [Item((TextPart("a photo"), MediaPart("image", samples.png(640, 480, 1))))],
+        "audio": [
+            Item((MediaPart("audio", samples.wav(9.3)),)),
+            Item((MediaPart("audio", samples.wav(3.0)),)),
+        ],
+        "video": [Item((MediaPart("video", samples.mp4(8)),))],
+    }
+
+
+def _median_ms(fn: Callable[[], object], rounds: int = 10) -> float:
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return round(float(np.median(times)), 2)
+
+
+def test_graphed_text_encoder_matches_eager(full: dict[str, Path], results: Path | None) -> None:
+    """CUDA graphs (padded buckets, masked attention) against the eager reference path, per item."""
+    eager = _engine(full["w4"], graph_max_tokens=0)
+    graphed = _engine(full["w4"])
+    figures: dict[str, Any] = {}
+    for name, items in _fast_path_items().items():
+        prepared = [eager.prepare(x, PrepareOptions()) for x in items]
+        a, b = eager.embed(prepared), graphed.embed(prepared)
+        b2 = graphed.embed(prepared)  # a replay, not a capture
+        assert np.array_equal(b, b2), f"{name}: two replays of one graph differ"
+        figures[name] = {
+            "min_cosine": round(float(np.sum(a * b, axis=1).min()), 6),
+            "max_abs_diff": float(np.abs(a - b).max()),
+            "eager_ms": _median_ms(lambda p=prepared: eager.embed(p)),  # type: ignore[misc]
+            "graphed_ms": _median_ms(lambda p=prepared: graphed.embed(p)),  # type: ignore[misc]
+        }
+    assert graphed.graphs is not None
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        n = graphed.graphs.capture_all()
+    figures["capture_all"] = {"graphs": n, "seconds": round(time.perf_counter() - t0, 2)}
+    figures["graph_pool_reserved_mib"] = round(torch.cuda.memory_reserved() / 2**20, 1)
+    record(results, "gpu_graphs_vs_eager", figures)
+    worst = min(f["min_cosine"] for k, f in figures.items() if "min_cosine" in f)
+    assert worst >= 0.9999, f"graphed vs eager cosine {worst:.6f} < 0.9999: {figures}"
+
+
+def test_host_token_table(full: dict[str, Path], results: Path | None) -> None:
+    """The token table in pinned host memory gives bit-identical vectors and fewer device bytes."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    host = _engine(full["w4"], host_token_table=True, graph_max_tokens=0)
+    host_bytes = torch.cuda.memory_allocated() - base
+    dense, _ = allocated_after_load(full["bf16"])
+    device = _engine(full["w4"], graph_max_tokens=0)
+    figures: dict[str, Any] = {"resident_bytes": host_bytes, "bf16_bytes": dense,
+                               "ratio_vs_bf16": round(host_bytes / dense, 4), "report": host.report.summary()}  # fmt: skip
+    for name, items in _fast_path_items().items():
+        prepared = [device.prepare(x, PrepareOptions()) for x in items]
+        a, b = device.embed(prepared), host.embed(prepared)
+        assert np.array_equal(a, b), f"{name}: host-table vectors differ, max {np.abs(a - b).max():.2e}"
+        figures[name] = {
+            "device_table_ms": _median_ms(lambda p=prepared: device.embed(p)),  # type: ignore[misc]
+            "host_table_ms": _median_ms(lambda p=prepared: host.embed(p)),  # type: ignore[misc]
+        }
+    record(results, "gpu_host_token_table", figures)
+    assert host_bytes / dense <= 0.40, (
+        f"host-table weights {host_bytes / dense:.3f}x of BF16 (target <= 0.40x)"
+    )

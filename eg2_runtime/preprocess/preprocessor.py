@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,18 +131,28 @@ class Preprocessor:
         return out
 
     def prepare_batch(
-        self, items: Sequence[Item], options: PrepareOptions, *, raise_errors: bool = False
+        self,
+        items: Sequence[Item],
+        options: PrepareOptions,
+        *,
+        raise_errors: bool = False,
+        executor: Executor | None = None,
     ) -> list[Prepared | EG2Error]:
         """Prepare several items, their text tokenized in one call. A failing item gives its error in
-        its slot (or raises, with `raise_errors`); the others are unaffected."""
-        staged: list[_Staged | EG2Error] = []
-        for item in items:
+        its slot (or raises, with `raise_errors`); the others are unaffected.
+
+        `executor`: decode and featurize the media of the items in parallel (PIL, PyAV, soxr and
+        numpy release the GIL for the heavy parts)."""
+
+        def stage(item: Item) -> _Staged | EG2Error:
             try:
-                staged.append(self._stage(item, options))
+                return self._stage(item, options)
             except EG2Error as e:
                 if raise_errors:
                     raise
-                staged.append(e)
+                return e
+
+        staged = list(executor.map(stage, items) if executor is not None else map(stage, items))
         texts = [s.text for s in staged if isinstance(s, _Staged)]
         encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
         out: list[Prepared | EG2Error] = []

@@ -1,6 +1,6 @@
 """`eg2 bench`: speed and memory of the runtime against the reference a user would pick, in one process.
 
-    eg2 bench [--out DIR] [--device auto|cuda|cpu] [--size tiny|full] [--quick] [--configs a,b,c,d]
+    eg2 bench [--out DIR] [--device auto|cuda|cpu] [--size tiny|full] [--quick] [--configs a,b,c,d,e]
               [--model-dir DIR] [--cache-dir DIR] [--batch-sizes 1,8,32,64] [--concurrency 1,32,128]
               [--seconds S]
     python -m eg2_runtime.tools.bench ...          the same, where the console script is not installed
@@ -8,6 +8,7 @@
 Configurations, run in this order on the same inputs (bench_workloads.py):
     (a) our runtime serving the hybrid-w4 checkpoint, packed        Engine.from_dir(w4)
     (d) the HTTP service over loopback, serving the (a) engine      app/bench_service.py
+    (e) (a) with the token table in pinned host memory, named workloads only: what it saves and costs
     (b) our runtime serving the BF16 checkpoint the w4 was made from  Engine.from_dir(bf16)
     (c) transformers 5.23 + sentence-transformers in BF16 on that BF16 checkpoint: `encode()` end to end
 Each configuration is freed before the next loads, so its memory figures are its own.
@@ -78,7 +79,7 @@ from eg2_runtime.tools.bench_workloads import (
     sweep_inputs,
 )
 
-CONFIGS = ("a", "b", "c", "d")
+CONFIGS = ("a", "b", "c", "d", "e")
 DEFAULT_CACHE = Path.home() / ".cache" / "eg2" / "bench"
 
 
@@ -122,7 +123,7 @@ def parse(argv: list[str]) -> Options:
         "--size", choices=("tiny", "full"), help="generated checkpoint [full; tiny with --quick]"
     )
     parser.add_argument("--quick", action="store_true", help="the CI mode: tiny, batches 1 and 8, few rounds")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of a,b,c,d to run [all]")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="which of a,b,c,d,e to run [all]")
     parser.add_argument("--model-dir", type=Path, help="a BF16 checkpoint instead of a generated one")
     parser.add_argument(
         "--cache-dir", type=Path, default=DEFAULT_CACHE, help=f"generated checkpoints [{DEFAULT_CACHE}]"
@@ -178,14 +179,19 @@ def _run_ours(
     progress: Progress,
     tag: str,
 ) -> tuple[dict[str, Any], Any]:
-    """Load our engine and, unless only (d) wants it, measure it. Returns (figures, engine)."""
-    from eg2_runtime.engine import Engine
+    """Load our engine and, unless only (d) wants it, measure it. Returns (figures, engine).
+
+    Every configuration of ours runs the engine's defaults (CUDA graphs included); (e) adds the
+    host-resident token table."""
+    from eg2_runtime.engine import Engine, EngineOptions
 
     memory.settle()
     memory.reset_peak()
     before = memory.allocated()
+    reserved_before = memory.reserved()
     t0 = time.perf_counter()
-    engine = Engine.from_dir(model_dir, device=opts.device)
+    options = EngineOptions(host_token_table=tag == "e")
+    engine = Engine.from_dir(model_dir, device=opts.device, options=options)
     memory.settle()
     after = memory.allocated()
     r = engine.report
@@ -197,7 +203,9 @@ def _run_ours(
             "dtype": str(engine.model.dtype).removeprefix("torch."),
             "allocated_before_load_bytes": before,  # not 0: an earlier configuration was not freed
             "allocated_bytes": after - before if after is not None and before is not None else None,
+            "reserved_before_load_bytes": reserved_before,  # what earlier configurations left behind
             "resident_bytes": r.resident_bytes,
+            "host_bytes": r.host_bytes,
             "bf16_equivalent_bytes": r.bf16_bytes,
             "summary": r.summary(),
         },
@@ -318,6 +326,9 @@ def _run(opts: Options, argv: list[str]) -> dict[str, Any]:
 
         if {"a", "d"} & set(opts.configs):
             configs |= _run_packed(w4, opts, memory, matrix_wl, named_wl, sweep_wl, progress)
+            done()
+        if "e" in opts.configs:
+            configs["e"] = _guarded("e", lambda: _run_ours(w4, opts, memory, [], named_wl, progress, "e")[0])
             done()
         if "b" in opts.configs:
             configs["b"] = _guarded(

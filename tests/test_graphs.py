@@ -1,0 +1,107 @@
+"""The engine's fast paths against their reference paths, on the CPU with the tiny checkpoint:
+
+- the graphed text encoder's bucket padding (graphs.py, run eagerly here; the captured graphs are
+  checked against the same reference on the H200 in test_gpu.py);
+- splitting a large call into several forwards (max_forward_tokens);
+- prepare_many (threads + one tokenizer call) against prepare one by one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from eg2_runtime.engine import Engine, EngineOptions
+from eg2_runtime.errors import EG2Error
+from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, GraphedTextEncoder
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.loader import load_model
+from eg2_runtime.model import pool
+from eg2_runtime.tools import samples
+
+TOL = 1e-5  # FP32 on the CPU: padding must not move a valid row beyond float rounding
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_fp32: Path) -> GraphedTextEncoder:
+    model, _ = load_model(tiny_fp32, "cpu")
+    return GraphedTextEncoder(model.language_model, max_tokens=1024, capture=False)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "bucket"),
+    [
+        ([5], (1, 16)),  # one short item, no padding of its own
+        ([17, 3, 9], (4, 32)),  # padded rows and columns, and a pad row (B 3 -> 4)
+        ([40, 40], (2, 48)),  # longer than the tiny model's sliding window (8)
+        ([16] * 8, (8, 16)),  # an exact bucket
+    ],
+)
+def test_bucket_padding_equals_reference(
+    encoder: GraphedTextEncoder, lengths: list[int], bucket: tuple[int, int]
+) -> None:
+    torch.manual_seed(0)
+    b, t = len(lengths), max(lengths)
+    hidden = encoder.encoder.cfg.hidden_size
+    embeds = torch.randn(b, t, hidden)
+    valid = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+    assert encoder.bucket(b, t) == bucket
+    with torch.inference_mode():
+        expected = pool(encoder.encoder(embeds, valid).float(), valid)
+        got = encoder(embeds, valid)
+        again = encoder(embeds, valid)  # the static buffers are reused: a second call still holds
+    assert got is not None and got.shape == expected.shape
+    err = (got - expected).abs().max().item()
+    assert err <= TOL, f"bucket {bucket}: max abs diff {err:.2e} > {TOL}"
+    assert again is not None and torch.equal(got, again)
+
+
+def test_buckets_stay_within_max_tokens(encoder: GraphedTextEncoder) -> None:
+    keys = list(encoder.buckets())
+    assert keys and all(b * t <= encoder.max_tokens for b, t in keys)
+    assert len(set(keys)) == len(keys)
+    assert encoder.bucket(1, LENGTH_LADDER[-1] + 1) is None  # longer than the ladder
+    assert encoder.bucket(BATCH_LADDER[-1] + 1, 4) is None  # more items than the ladder
+    assert encoder.bucket(64, 32) is None  # 2048 padded tokens > max_tokens 1024
+    assert encoder.bucket(32, 32) == (32, 32)
+
+
+def _texts(n: int) -> list[Item]:
+    return [Item((TextPart("word " * (3 + 7 * i % 50)),)) for i in range(n)]
+
+
+def test_split_forwards_equal_one_forward(tiny_fp32: Path) -> None:
+    whole = Engine.from_dir(tiny_fp32, device="cpu", options=EngineOptions(max_forward_tokens=None))
+    split = Engine.from_dir(tiny_fp32, device="cpu", options=EngineOptions(max_forward_tokens=64))
+    items = [whole.prepare(x, PrepareOptions()) for x in _texts(9)]
+    assert len(list(split._chunks(items))) > 1
+    a, b = whole.embed(items), split.embed(items)
+    assert a.shape == b.shape == (9, 768)
+    err = float(np.abs(a - b).max())
+    assert err <= TOL, f"split vs one forward: max abs diff {err:.2e} > {TOL}"
+
+
+def test_prepare_many_equals_prepare(tiny_fp32: Path) -> None:
+    engine = Engine.from_dir(tiny_fp32, device="cpu")
+    opts = PrepareOptions()
+    items = [
+        *_texts(3),
+        Item((MediaPart("image", samples.png(64, 48)),)),
+        Item((MediaPart("audio", b"not audio"),)),  # fails in its own slot
+        Item((TextPart("a caption"), MediaPart("audio", samples.wav(1.0)))),
+    ]
+    many = engine.prepare_many(items, opts)
+    assert isinstance(many[4], EG2Error)
+    for i, got in enumerate(many):
+        if i == 4:
+            continue
+        one = engine.prepare(items[i], opts)
+        assert not isinstance(got, EG2Error)
+        assert (got.modality, got.num_tokens) == (one.modality, one.num_tokens)
+        assert torch.equal(got.inputs.input_ids, one.inputs.input_ids)
+        for name in ("pixel_values", "input_features"):
+            x, y = getattr(got.inputs, name), getattr(one.inputs, name)
+            assert (x is None and y is None) or torch.equal(x, y)
