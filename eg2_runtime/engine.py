@@ -38,6 +38,7 @@ from eg2_runtime.inputs import (
     PrepareOptions,
     TextPart,
 )
+from eg2_runtime.layers import use_fused_norms
 from eg2_runtime.loader import LoadReport, load_model
 from eg2_runtime.model import EG2Model, pool
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
@@ -75,6 +76,9 @@ class EngineOptions:
     # and one shared graph memory pool as large as the largest bucket's activations.
     graph_max_tokens: int = 16384
     capture_graphs_at_start: bool = False  # all buckets at load time, not on first use
+    # One Triton kernel per RMSNorm on CUDA (rmsnorm_triton.py) instead of nine torch kernels: the
+    # norms are most of the text encoder's launches. Agrees with the reference to float rounding.
+    fused_norms: bool = True
     # Keep the 256 MiB token-embedding table in pinned host memory (CUDA only): fewer resident
     # bytes, for a host gather and a (B, T, H) copy per forward.
     host_token_table: bool = False
@@ -107,6 +111,8 @@ class Engine:
         if options.host_token_table:
             report.host_bytes = model.language_model.keep_table_on_host()
             report.resident_bytes -= report.host_bytes
+        if options.fused_norms and self.device.type == "cuda":
+            _fuse_norms(model)
         self.graphs: GraphedTextEncoder | None = None
         if options.graph_max_tokens and self.device.type == "cuda":
             self.graphs = GraphedTextEncoder(model.language_model, options.graph_max_tokens)
@@ -266,6 +272,22 @@ class Engine:
                             h.update(chunk)
                 self._digest = h.hexdigest()
             return self._digest
+
+
+def _fuse_norms(model: EG2Model) -> None:
+    """Fused norms, after one probe launch: Triton needs a C compiler for its launcher, and a
+    machine without one keeps serving on the reference path."""
+    if not use_fused_norms(model):
+        log.warning("Triton is not installed: RMSNorm runs the reference path")
+        return
+    try:
+        weight = model.language_model.embedding_projection.weight
+        model.language_model.norm(
+            torch.ones(2, model.config.text.hidden_size, dtype=weight.dtype, device=weight.device)
+        )
+    except Exception as e:
+        use_fused_norms(model, enable=False)
+        log.warning("fused RMSNorm kernel unavailable (%s); using the reference path", e)
 
 
 def _wrap(prepared: Prepared) -> PreparedItem:

@@ -38,8 +38,13 @@ LENGTH_LADDER = (
     *range(640, 1025, 128),
     *range(1280, 2049, 256),
     *range(2560, 4097, 512),
-    *range(5120, 8193, 1024),
 )
+
+
+# Bb * Tb^2 at most: attention materializes (Bb, heads, Tb, Tb) scores where the masked kernel has no
+# fused path, and a graph's pool keeps its peak for good. 2^24 allows 1 x 4096, 4 x 2048, 16 x 1024
+# and keeps the pool under ~1 GiB; longer inputs run eagerly, where the GPU work dwarfs the launches.
+MAX_SCORES = 1 << 24
 
 
 @dataclass
@@ -73,13 +78,13 @@ class GraphedTextEncoder:
         """The smallest (Bb, Tb) that holds a (batch, length) input, or None if there is none."""
         bb = next((b for b in BATCH_LADDER if b >= batch), None)
         tb = next((t for t in LENGTH_LADDER if t >= length), None)
-        if bb is None or tb is None or bb * tb > self.max_tokens:
+        if bb is None or tb is None or bb * tb > self.max_tokens or bb * tb * tb > MAX_SCORES:
             return None
         return bb, tb
 
     def buckets(self) -> Iterator[tuple[int, int]]:
-        """Every bucket within `max_tokens`, largest first (the pool is then sized once)."""
-        fits = [(b, t) for b in BATCH_LADDER for t in LENGTH_LADDER if b * t <= self.max_tokens]
+        """Every bucket within the bounds, largest first (the pool is then sized once)."""
+        fits = [(b, t) for b in BATCH_LADDER for t in LENGTH_LADDER if self.bucket(b, t) == (b, t)]
         yield from sorted(fits, key=lambda k: (-k[0] * k[1], -k[1]))
 
     def __call__(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:

@@ -6,6 +6,8 @@ Module and parameter names match the Hugging Face checkpoint, so a state dict lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,14 +17,22 @@ class RMSNorm(nn.Module):
     """Gemma RMSNorm: `x * (mean(x^2) + eps)^-0.5 * w`, computed in fp32 (w, not 1 + w).
 
     `with_scale=False` is the parameter-free variant (v_norm, the multimodal embedders).
+    `fused`: the one-kernel Triton version (rmsnorm_triton.py), set by `use_fused_norms` on CUDA;
+    None runs `reference`.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if with_scale else None
+        self.fused: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.is_cuda:
+            return self.fused(x, self.weight, self.eps)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         # torch.pow rather than rsqrt: the reference does, and rsqrt rounds differently.
         h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
@@ -110,3 +120,18 @@ def key_padding_mask(valid: torch.Tensor) -> torch.Tensor:
     mask = valid[:, None, None, :].expand(-1, 1, valid.shape[1], -1)
     eye = torch.eye(valid.shape[1], dtype=torch.bool, device=valid.device)
     return mask | eye
+
+
+def use_fused_norms(model: nn.Module, enable: bool = True) -> int:
+    """Point every RMSNorm of `model` at the Triton kernel (or back at the reference with
+    `enable=False`). Returns how many now run fused: 0 where Triton is missing."""
+    kernel: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor] | None = None
+    if enable:
+        try:
+            from eg2_runtime.rmsnorm_triton import rms_norm as kernel
+        except ImportError:  # a CPU-only install: the reference runs
+            return 0
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    for m in norms:
+        m.fused = kernel
+    return len(norms) if kernel is not None else 0

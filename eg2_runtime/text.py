@@ -37,9 +37,10 @@ class TextAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))  # (B, nh, T, hd)
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))  # (B, kv, T, hd)
-        v = self.v_norm(self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2))
+        # Norms before the transpose: the same per-row math, on contiguous rows.
+        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, kv, T, hd)
+        v = self.v_norm(self.v_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA's GQA path only where the reference takes it too (no mask, head_dim <= 256): elsewhere
         # the kv heads are repeated, so both runs pick the same kernels and round alike on the GPU.
