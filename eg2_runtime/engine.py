@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.graphs import GraphedTextEncoder
@@ -208,7 +207,7 @@ class Engine:
         yield batch[start:]
 
     def _forward(self, items: Sequence[Prepared]) -> torch.Tensor:
-        inputs = collate(items, self.model.config.text.pad_token_id)
+        inputs = collate(items, self.model.config.text.pad_token_id, pin=self.device.type == "cuda")
         ids = inputs.pop("input_ids")  # stays on the host: the embedding lookup moves what it needs
         return self.forward(ids, {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()})
 
@@ -294,20 +293,19 @@ def _wrap(prepared: Prepared) -> PreparedItem:
     return PreparedItem(prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared)
 
 
-def collate(items: Sequence[Prepared], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(items: Sequence[Prepared], pad_id: int, pin: bool = False) -> dict[str, torch.Tensor]:
     """Prepared items -> one padded batch of model inputs.
 
     Text is right-padded with the pad id (attention_mask 0). Media of all items are concatenated in
     item order, which is the order their placeholders appear in the flattened (B, T) ids. Images with
     different soft-token budgets are padded to the largest patch count with empty patches (-1
     positions), and audio to the longest clip (mask 0): neither changes a valid output.
+    `pin`: build the batch in pinned host memory, so the copy to the GPU is asynchronous and runs at
+    full bus speed (16 images are 124 MB of fp32 patches: ~35 ms from pageable memory on the H200).
     """
     t = max(p.input_ids.shape[0] for p in items)
-    ids = torch.full((len(items), t), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(items), t), dtype=torch.long)
-    for i, p in enumerate(items):
-        ids[i, : p.input_ids.shape[0]] = p.input_ids
-        mask[i, : p.input_ids.shape[0]] = 1
+    ids = _concat_padded([p.input_ids[None] for p in items], t, pad_id, pin)
+    mask = _concat_padded([torch.ones((1, p.input_ids.shape[0]), dtype=torch.long) for p in items], t, 0, pin)
     out = {"input_ids": ids, "attention_mask": mask}
     for pixels, positions in (
         ("pixel_values", "image_position_ids"),
@@ -318,14 +316,30 @@ def collate(items: Sequence[Prepared], pad_id: int) -> dict[str, torch.Tensor]:
         ]
         if chunks:
             s = max(v.shape[1] for v, _ in chunks)
-            out[pixels] = torch.cat([F.pad(v, (0, 0, 0, s - v.shape[1])) for v, _ in chunks])
-            out[positions] = torch.cat([F.pad(q, (0, 0, 0, s - q.shape[1]), value=-1) for _, q in chunks])
+            out[pixels] = _concat_padded([v for v, _ in chunks], s, 0, pin)
+            out[positions] = _concat_padded([q for _, q in chunks], s, -1, pin)
     audio = [(p.input_features, p.input_features_mask) for p in items if p.input_features is not None]
     if audio:
         f = max(x.shape[1] for x, _ in audio)
-        out["input_features"] = torch.cat([F.pad(x, (0, 0, 0, f - x.shape[1])) for x, _ in audio])
+        out["input_features"] = _concat_padded([x for x, _ in audio], f, 0, pin)
         masks = [m for _, m in audio if m is not None]
-        out["input_features_mask"] = torch.cat([F.pad(m, (0, f - m.shape[1])) for m in masks])
+        out["input_features_mask"] = _concat_padded(masks, f, 0, pin)
+    return out
+
+
+def _concat_padded(chunks: Sequence[torch.Tensor], length: int, fill: float, pin: bool) -> torch.Tensor:
+    """(n_i, s_i, ...) chunks -> (sum n_i, length, ...): concatenated on dim 0, each padded on dim 1
+    with `fill`, written once into a fresh (optionally pinned) tensor."""
+    first = chunks[0]
+    out = torch.empty(
+        (sum(c.shape[0] for c in chunks), length, *first.shape[2:]), dtype=first.dtype, pin_memory=pin
+    )
+    row = 0
+    for c in chunks:
+        n, s = c.shape[0], c.shape[1]
+        out[row : row + n, :s] = c
+        out[row : row + n, s:] = fill
+        row += n
     return out
 
 

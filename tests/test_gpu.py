@@ -279,8 +279,8 @@ def test_profile_images(full: dict[str, Path], results: Path | None) -> None:
 # ---- the engine's fast paths against its reference paths ---------------------------------------
 
 
-def _engine(model_dir: Path, **options: Any) -> Engine:
-    return Engine.from_dir(model_dir, device="cuda", options=EngineOptions(**options))
+def _engine(model_dir: Path, dtype: torch.dtype | None = None, **options: Any) -> Engine:
+    return Engine.from_dir(model_dir, device="cuda", dtype=dtype, options=EngineOptions(**options))
 
 
 def _fast_path_items() -> dict[str, list[Item]]:
@@ -323,26 +323,40 @@ def _median_ms(fn: Callable[[], object], rounds: int = 10) -> float:
 
 
 def test_fast_paths_match_reference_path(full: dict[str, Path], results: Path | None) -> None:
-    """The engine's fast paths (fused RMSNorm; + CUDA graphs of the text encoder over padded buckets)
-    against its reference path (EG2Model.forward op by op), per item."""
+    """The engine's fast paths against its reference path (EG2Model.forward op by op), per item:
+
+    - CUDA graphs over padded buckets vs the same kernels run eagerly: equal to 1e-5 in cosine;
+    - the fused RMSNorm rounds some BF16 outputs one step differently, so it is held to the BF16
+      reference path's own distance from FP32: 1 - cos(fast, fp32) <= 3 (1 - cos(bf16, fp32)) + 1e-5.
+    """
+    fp32 = _engine(full["w4"], graph_max_tokens=0, fused_norms=False, dtype=torch.float32)
     reference = _engine(full["w4"], graph_max_tokens=0, fused_norms=False)
     fused = _engine(full["w4"], graph_max_tokens=0)
     graphed = _engine(full["w4"])
+    cos = lambda a, b: np.sum(a * b, axis=1)  # noqa: E731
     figures: dict[str, Any] = {}
+    failures = []
     for name, items in _fast_path_items().items():
         prepared = [reference.prepare(x, PrepareOptions()) for x in items]
-        a, b, c = reference.embed(prepared), fused.embed(prepared), graphed.embed(prepared)
-        c2 = graphed.embed(prepared)  # a replay, not a capture
-        assert np.array_equal(c, c2), f"{name}: two replays of one graph differ"
+        exact, ref, b, c = (e.embed(prepared) for e in (fp32, reference, fused, graphed))
+        assert np.array_equal(c, graphed.embed(prepared)), f"{name}: two replays of one graph differ"
+        ref_err, fast_err = 1 - cos(ref, exact), 1 - cos(c, exact)
         figures[name] = {
             "tokens": [p.num_tokens for p in prepared],
-            "fused_min_cosine": round(float(np.sum(a * b, axis=1).min()), 6),
-            "graphed_min_cosine": round(float(np.sum(a * c, axis=1).min()), 6),
-            "graphed_max_abs_diff": float(np.abs(a - c).max()),
+            "graphed_vs_fused_min_cosine": round(float(cos(b, c).min()), 7),
+            "fast_vs_reference_min_cosine": round(float(cos(c, ref).min()), 6),
+            "reference_vs_fp32_min_cosine": round(float(cos(ref, exact).min()), 6),
+            "fast_vs_fp32_min_cosine": round(float(cos(c, exact).min()), 6),
             "reference_ms": _median_ms(lambda p=prepared: reference.embed(p)),  # type: ignore[misc]
             "fused_ms": _median_ms(lambda p=prepared: fused.embed(p)),  # type: ignore[misc]
             "graphed_ms": _median_ms(lambda p=prepared: graphed.embed(p)),  # type: ignore[misc]
         }
+        if figures[name]["graphed_vs_fused_min_cosine"] < 1 - 1e-5:
+            failures.append(f"{name}: graphs change the result")
+        if np.any(fast_err > 3 * ref_err + 1e-5):
+            failures.append(
+                f"{name}: fast path off FP32 by {fast_err.max():.2e}, BF16 reference by {ref_err.max():.2e}"
+            )
     assert graphed.graphs is not None
     torch.cuda.synchronize()
     before = torch.cuda.memory_reserved()
@@ -355,12 +369,7 @@ def test_fast_paths_match_reference_path(full: dict[str, Path], results: Path | 
         "reserved_growth_mib": round((torch.cuda.memory_reserved() - before) / 2**20, 1),
     }
     record(results, "gpu_fast_paths", figures)
-    worst = min(
-        min(f["fused_min_cosine"], f["graphed_min_cosine"])
-        for f in figures.values()
-        if isinstance(f, dict) and "fused_min_cosine" in f
-    )
-    assert worst >= 0.9999, f"fast path vs reference path cosine {worst:.6f} < 0.9999: {figures}"
+    assert not failures, f"{failures}: {figures}"
 
 
 def test_host_token_table(full: dict[str, Path], results: Path | None) -> None:
