@@ -27,7 +27,8 @@ T = TypeVar("T")
 router = APIRouter()
 
 
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
+    # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop per request.
     return cast(Service, request.app.state.service)
 
 

@@ -99,7 +99,6 @@ def load_engine(settings: Settings) -> EngineLike:
 
     options = EngineOptions(
         graph_max_tokens=settings.cuda_graph_max_tokens,
-        capture_graphs_at_start=settings.cuda_graphs_at_start,
         host_token_table=settings.host_token_table,
     )
     engine: EngineLike = Engine.from_dir(
@@ -175,6 +174,8 @@ class Service:
             )
             self._batcher.start()
             await self._batcher.warmup()
+            if s.cuda_graphs_at_start:
+                await asyncio.to_thread(self._engine.capture_graphs)
             self._publish_memory()
         except (StartupError, EG2Error) as exc:
             self._fail(getattr(exc, "message", None) or str(exc))

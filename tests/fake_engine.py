@@ -172,6 +172,9 @@ class FakeEngine:
             self.embedded_texts.extend(p.inputs[1] for p in batch)
         return np.stack([self.vector(p.inputs[0]) for p in batch])
 
+    def capture_graphs(self) -> int:
+        return 0
+
     def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
         self.warmup_gate.wait(timeout=120)
         self.warmups += 1

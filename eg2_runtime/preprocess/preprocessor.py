@@ -152,7 +152,9 @@ class Preprocessor:
                     raise
                 return e
 
-        staged = list(executor.map(stage, items) if executor is not None else map(stage, items))
+        has_media = any(isinstance(p, MediaPart) for item in items for p in item.parts)
+        # Text alone is staged in microseconds: a thread hop per item would cost more than it saves.
+        staged = list(executor.map(stage, items) if executor is not None and has_media else map(stage, items))
         texts = [s.text for s in staged if isinstance(s, _Staged)]
         encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
         out: list[Prepared | EG2Error] = []
