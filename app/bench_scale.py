@@ -1,0 +1,207 @@
+"""`python -m app.bench_scale`: does throughput scale with replicas? Short text over HTTP, one run.
+
+    python -m app.bench_scale --model DIR [--replicas 1,2] [--seconds 6] [--out DIR]
+
+Phases, each against a fresh server on 127.0.0.1, each driven by client processes of their own (a
+client in the server's interpreter would compete with it for the GIL):
+    inprocess   Engine.embed on batches of 32 short texts (the ceiling a server can approach)
+    serve       `eg2 serve`, one process on GPU 0
+    ray-N       `eg2 serve-ray --replicas N`: N replicas behind Ray Serve's proxy
+Two loads per server: single-text requests at concurrency 64, and 32-text requests at
+concurrency 8 (less HTTP work per item: what the replicas themselves can do). Each load warms up
+(connections opened, graphs captured) for 2 s before its timed window. Results go to
+--out/scale.json after every phase, so a run cut short keeps what it measured.
+
+Assumes: `eg2` is importable as `python -m app.cli`; ray[serve] is installed for the ray phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+WORDS = ["search", "results", "rank", "documents", "by", "meaning", "and", "queries", "find", "images", "audio", "video", "and", "text", "alike"]
+LOADS = {"single": (1, 64), "batch32": (32, 8)}  # items per request, concurrency
+CLIENT_PROCESSES = 4
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    return [" ".join(WORDS[(seed + i + j) % len(WORDS)] for j in range(3)) for i in range(n)]
+
+
+async def _client(url: str, items: int, connections: int, warmup_s: float, seconds: float) -> dict[str, Any]:
+    bodies = [
+        json.dumps({"model": "eg2", "input": _texts(items, s), "encoding_format": "base64"}).encode()
+        for s in range(16)
+    ]
+    latencies: list[float] = []
+    replicas: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
+    start = time.perf_counter()
+    timed_from, until = start + warmup_s, start + warmup_s + seconds
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
+
+        async def loop(k: int) -> None:
+            i = k
+            while (now := time.perf_counter()) < until:
+                i += 1
+                try:
+                    r = await client.post("/v1/embeddings", content=bodies[i % 16], headers={"content-type": "application/json"})
+                except httpx.HTTPError as e:
+                    failures[type(e).__name__] += 1
+                    continue
+                if r.status_code != 200:
+                    failures[f"HTTP {r.status_code}"] += 1
+                    continue
+                if now >= timed_from:
+                    latencies.append(time.perf_counter() - now)
+                    replicas[r.headers.get("x-replica-id", "-")] += 1
+
+        await asyncio.gather(*(loop(k) for k in range(connections)))
+    return {"latencies": latencies, "replicas": dict(replicas), "failures": dict(failures)}
+
+
+def _client_process(url: str, items: int, connections: int, warmup_s: float, seconds: float) -> dict[str, Any]:
+    return asyncio.run(_client(url, items, connections, warmup_s, seconds))
+
+
+def drive(url: str, items: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    """`concurrency` connections spread over CLIENT_PROCESSES processes; items/s in the timed window."""
+    per = max(1, concurrency // CLIENT_PROCESSES)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(CLIENT_PROCESSES) as pool:
+        parts = pool.starmap(_client_process, [(url, items, per, 2.0, seconds)] * CLIENT_PROCESSES)
+    lat = np.asarray([x for p in parts for x in p["latencies"]])
+    replicas: Counter[str] = Counter()
+    failures: Counter[str] = Counter()
+    for p in parts:
+        replicas.update(p["replicas"])
+        failures.update(p["failures"])
+    n = len(lat)
+    return {
+        "items_per_request": items,
+        "concurrency": per * CLIENT_PROCESSES,
+        "requests": n,
+        "items_per_s": n * items / seconds,
+        "p50_ms": float(np.percentile(lat, 50) * 1e3) if n else None,
+        "p99_ms": float(np.percentile(lat, 99) * 1e3) if n else None,
+        "by_replica": dict(replicas),
+        "failures": dict(failures),
+    }
+
+
+def inprocess(model: Path, seconds: float) -> dict[str, Any]:
+    """Engine.embed on batches of 32 short texts, prepared once per call, as in `eg2 bench`."""
+    from eg2_runtime.engine import Engine
+    from eg2_runtime.inputs import Item, PrepareOptions, TextPart
+
+    engine = Engine.from_dir(model, device="cuda", modalities={"text"})
+    items = [Item((TextPart(t),)) for t in _texts(32, 0)]
+    opts = PrepareOptions()
+    for _ in range(20):
+        engine.embed(engine.prepare_many(items, opts))  # type: ignore[arg-type]
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        engine.embed(engine.prepare_many(items, opts))  # type: ignore[arg-type]
+        n += 1
+    return {"items_per_s": n * 32 / (time.perf_counter() - start), "batch": 32}
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("server not ready")
+
+
+def server_phase(cmd: list[str], env: dict[str, str], port: int, seconds: float) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        _wait_ready(url, proc)
+        out: dict[str, Any] = {"ready_s": time.monotonic() - t0}
+        for name, (items, concurrency) in LOADS.items():
+            out[name] = drive(url, items, concurrency, seconds)
+            print(f"  {name}: {out[name]['items_per_s']:.0f} items/s, p99 {out[name]['p99_ms']} ms, "
+                  f"replicas {out[name]['by_replica']}", flush=True)  # fmt: skip
+        return out
+    finally:
+        proc.send_signal(signal.SIGTERM)  # the server drains and, under Ray, shuts its cluster down
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its session
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--out", type=Path, default=Path("out/scale"))
+    parser.add_argument("--phases", default="inprocess,serve,ray")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    phases = args.phases.split(",")
+    env = {**os.environ, "EG2_MODALITIES": "text", "EG2_LOG_LEVEL": "warning", "RAY_USAGE_STATS_ENABLED": "0"}
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv, "phases": {}}
+
+    def save() -> None:
+        (args.out / "scale.json").write_text(json.dumps(results, indent=1) + "\n")
+
+    if "inprocess" in phases:
+        results["phases"]["inprocess"] = inprocess(args.model, args.seconds)
+        print("inprocess:", results["phases"]["inprocess"], flush=True)
+        save()
+    py = [sys.executable, "-m", "app.cli"]
+    if "serve" in phases:
+        print("serve:", flush=True)
+        serve_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+        cmd = [*py, "serve", "--model", str(args.model), "--port", "8801"]
+        results["phases"]["serve"] = server_phase(cmd, serve_env, 8801, args.seconds)
+        save()
+    if "ray" in phases:
+        for i, n in enumerate(int(r) for r in args.replicas.split(",")):
+            print(f"ray-{n}:", flush=True)
+            port = 8802 + i  # a port of its own: nothing left of the previous phase can answer
+            cmd = [*py, "serve-ray", "--model", str(args.model), "--port", str(port), "--replicas", str(n)]
+            results["phases"][f"ray-{n}"] = server_phase(cmd, env, port, args.seconds)
+            save()
+    ray = {k: v for k, v in results["phases"].items() if k.startswith("ray-")}
+    if "ray-1" in ray and len(ray) > 1:
+        top = max(ray, key=lambda k: int(k.split("-")[1]))
+        results["scaling"] = {
+            load: ray[top][load]["items_per_s"] / ray["ray-1"][load]["items_per_s"] for load in LOADS
+        }
+        print(f"scaling {top} / ray-1:", results["scaling"], flush=True)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
