@@ -34,7 +34,23 @@ from typing import Any
 import httpx
 import numpy as np
 
-WORDS = ["search", "results", "rank", "documents", "by", "meaning", "and", "queries", "find", "images", "audio", "video", "and", "text", "alike"]
+WORDS = [
+    "search",
+    "results",
+    "rank",
+    "documents",
+    "by",
+    "meaning",
+    "and",
+    "queries",
+    "find",
+    "images",
+    "audio",
+    "video",
+    "and",
+    "text",
+    "alike",
+]
 LOADS = {"single": (1, 64), "batch32": (32, 8)}  # items per request, concurrency
 CLIENT_PROCESSES = 4
 
@@ -61,7 +77,9 @@ async def _client(url: str, items: int, connections: int, warmup_s: float, secon
             while (now := time.perf_counter()) < until:
                 i += 1
                 try:
-                    r = await client.post("/v1/embeddings", content=bodies[i % 16], headers={"content-type": "application/json"})
+                    r = await client.post(
+                        "/v1/embeddings", content=bodies[i % 16], headers={"content-type": "application/json"}
+                    )
                 except httpx.HTTPError as e:
                     failures[type(e).__name__] += 1
                     continue
@@ -76,7 +94,9 @@ async def _client(url: str, items: int, connections: int, warmup_s: float, secon
     return {"latencies": latencies, "replicas": dict(replicas), "failures": dict(failures)}
 
 
-def _client_process(url: str, items: int, connections: int, warmup_s: float, seconds: float) -> dict[str, Any]:
+def _client_process(
+    url: str, items: int, connections: int, warmup_s: float, seconds: float
+) -> dict[str, Any]:
     return asyncio.run(_client(url, items, connections, warmup_s, seconds))
 
 
@@ -150,10 +170,8 @@ def server_phase(cmd: list[str], env: dict[str, str], port: int, seconds: float)
         return out
     finally:
         proc.send_signal(signal.SIGTERM)  # the server drains and, under Ray, shuts its cluster down
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its session
 
