@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -162,20 +162,21 @@ class Engine:
         from eg2_runtime.tools import samples
 
         longest = max(IMAGE_TOKEN_BUDGETS)
-        biggest: dict[str, tuple[Item, PrepareOptions]] = {
-            "text": (Item((TextPart("warm up " * self.max_text_tokens),)), PrepareOptions()),
-            "image": (
+        # Built only for the loaded modalities: a text-only server warms up without PyAV or media.
+        biggest: dict[str, Callable[[], tuple[Item, PrepareOptions]]] = {
+            "text": lambda: (Item((TextPart("warm up " * self.max_text_tokens),)), PrepareOptions()),
+            "image": lambda: (
                 Item((MediaPart("image", samples.png(1280, 960)),)),
                 PrepareOptions(image_tokens=longest),
             ),
-            "audio": (Item((MediaPart("audio", samples.wav(30.0)),)), PrepareOptions()),
-            "video": (Item((MediaPart("video", samples.mp4(32)),)), PrepareOptions()),
+            "audio": lambda: (Item((MediaPart("audio", samples.wav(30.0)),)), PrepareOptions()),
+            "video": lambda: (Item((MediaPart("video", samples.mp4(32)),)), PrepareOptions()),
         }
         batches = []
-        for modality, (item, options) in biggest.items():
+        for modality, build in biggest.items():
             if modality not in self.modalities:
                 continue
-            one = self.prepare(item, options)
+            one = self.prepare(*build())
             n = max(1, min(max_batch_items, max_batch_tokens // one.cost))
             batches.append([one] * n)
         return batches

@@ -105,3 +105,13 @@ def test_prepare_many_equals_prepare(tiny_fp32: Path) -> None:
         for name in ("pixel_values", "input_features"):
             x, y = getattr(got.inputs, name), getattr(one.inputs, name)
             assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_text_only_warmup_needs_no_media_libraries(tiny_fp32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text-only server boots where PyAV is not installed (found on the 2-GPU machine)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "av", None)  # `import av` now raises ImportError
+    engine = Engine.from_dir(tiny_fp32, device="cpu", modalities={"text"})
+    batches = engine.warmup_batches(max_batch_tokens=4096, max_batch_items=8)
+    assert [b[0].modality for b in batches] == ["text"]

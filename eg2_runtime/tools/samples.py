@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 
-import av
 import numpy as np
 import soundfile as sf
 from PIL import Image
@@ -43,6 +42,8 @@ def wav(seconds: float = 1.0, rate: int = 16_000, hz: float = 440.0) -> bytes:
 
 def mp4(seconds: int = 8, fps: int = 1, width: int = 128, height: int = 96) -> bytes:
     """An H.264 clip of `seconds * fps` smoothly changing frames."""
+    import av  # here, not at the top: a text-only server warms up without PyAV installed
+
     out = io.BytesIO()
     with av.open(out, mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
