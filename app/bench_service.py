@@ -43,6 +43,7 @@ from eg2_runtime.tools.bench_measure import Budget, Progress, cell_header, stats
 from eg2_runtime.tools.bench_workloads import MIME, Input, Named
 
 PATH = "/v1/embeddings"
+SWEEP_SCALE = 4  # a sweep row's time box, in multiples of the budget's cell time box
 HEADERS = {"content-type": "application/json"}
 
 
@@ -242,12 +243,18 @@ async def _sweep(
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
         for family, x in inputs:
             req = request([x])
-            if budget.warmup:  # a few requests at once: the first batches of this input are not timed
-                await _drive(client, req, min(8, max(concurrencies)), 0.0, min(8, max(concurrencies)))
             for c in concurrencies:
+                if budget.warmup:  # one untimed request per client: its connection is open, its batch
+                    await _drive(client, req, c, 0.0, c)  # shapes have been seen once
                 row = {"family": family, "modality": x.kind, "tokens_per_item": x.tokens}
+                # A window several times a cell's: every client must go round many times in it, or
+                # the figure measures the ramp-up of c clients rather than the steady state.
                 row |= await _drive(
-                    client, req, c, budget.seconds, max(budget.min_rounds + 1, c * budget.per_client)
+                    client,
+                    req,
+                    c,
+                    SWEEP_SCALE * budget.seconds,
+                    max(budget.min_rounds + 1, c * budget.per_client),
                 )
                 rows.append(row)
                 progress(_sweep_line(row))

@@ -64,12 +64,12 @@ class GraphedTextEncoder:
     def __init__(self, encoder: TextEncoder, max_tokens: int, capture: bool = True) -> None:
         self.encoder = encoder
         self.max_tokens = max_tokens
-        device, dtype = encoder.embedding_projection.weight.device, encoder.embedding_projection.weight.dtype
+        device = encoder.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
-        hidden = encoder.cfg.hidden_size
-        # Flat buffers every bucket views its leading part of: the inputs of only one bucket are live.
-        self.embeds = torch.zeros(max_tokens * hidden, dtype=dtype, device=device)
-        self.valid = torch.zeros(max_tokens, dtype=torch.bool, device=device)
+        # Flat input buffers every bucket views its leading part of (only one bucket's inputs are
+        # live at a time), allocated on first use like any activation.
+        self.embeds: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.capture_seconds = 0.0
@@ -115,6 +115,10 @@ class GraphedTextEncoder:
     def _inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         bb, tb = key
         hidden = self.encoder.cfg.hidden_size
+        if self.embeds is None or self.valid is None:
+            w = self.encoder.embedding_projection.weight
+            self.embeds = torch.zeros(self.max_tokens * hidden, dtype=w.dtype, device=w.device)
+            self.valid = torch.zeros(self.max_tokens, dtype=torch.bool, device=w.device)
         return self.embeds[: bb * tb * hidden].view(bb, tb, hidden), self.valid[: bb * tb].view(bb, tb)
 
     def _step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
