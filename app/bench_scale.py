@@ -9,7 +9,8 @@ client in the server's interpreter would compete with it for the GIL):
     ray-N       `eg2 serve-ray --replicas N`: N replicas behind Ray Serve's proxy
 Two loads per server: single-text requests at concurrency 64, and 32-text requests at
 concurrency 8 (less HTTP work per item: what the replicas themselves can do). Each load warms up
-(connections opened, graphs captured) for 2 s before its timed window. Results go to
+(connections opened, graphs captured) for 2 s before its timed window; the load generator is
+app/bench_service.py's `drive`, as in `eg2 bench`'s service sweep. Results go to
 --out/scale.json after every phase, so a run cut short keeps what it measured.
 
 Assumes: `eg2` is importable as `python -m app.cli`; ray[serve] is installed for the ray phases.
@@ -18,7 +19,6 @@ Assumes: `eg2` is importable as `python -m app.cli`; ray[serve] is installed for
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import multiprocessing
@@ -27,12 +27,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
+from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
+
+from app.bench_service import CLIENT_PROCESSES, Request, drive
 
 WORDS = [
     "search",
@@ -52,77 +53,24 @@ WORDS = [
     "alike",
 ]
 LOADS = {"single": (1, 64), "batch32": (32, 8)}  # items per request, concurrency
-CLIENT_PROCESSES = 4
 
 
 def _texts(n: int, seed: int) -> list[str]:
     return [" ".join(WORDS[(seed + i + j) % len(WORDS)] for j in range(3)) for i in range(n)]
 
 
-async def _client(url: str, items: int, connections: int, warmup_s: float, seconds: float) -> dict[str, Any]:
-    bodies = [
-        json.dumps({"model": "eg2", "input": _texts(items, s), "encoding_format": "base64"}).encode()
-        for s in range(16)
-    ]
-    latencies: list[float] = []
-    replicas: Counter[str] = Counter()
-    failures: Counter[str] = Counter()
-    start = time.perf_counter()
-    timed_from, until = start + warmup_s, start + warmup_s + seconds
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
-
-        async def loop(k: int) -> None:
-            i = k
-            while (now := time.perf_counter()) < until:
-                i += 1
-                try:
-                    r = await client.post(
-                        "/v1/embeddings", content=bodies[i % 16], headers={"content-type": "application/json"}
-                    )
-                except httpx.HTTPError as e:
-                    failures[type(e).__name__] += 1
-                    continue
-                if r.status_code != 200:
-                    failures[f"HTTP {r.status_code}"] += 1
-                    continue
-                if now >= timed_from:
-                    latencies.append(time.perf_counter() - now)
-                    replicas[r.headers.get("x-replica-id", "-")] += 1
-
-        await asyncio.gather(*(loop(k) for k in range(connections)))
-    return {"latencies": latencies, "replicas": dict(replicas), "failures": dict(failures)}
+def _request(items: int, seed: int) -> Request:
+    body = json.dumps({"model": "eg2", "input": _texts(items, seed), "encoding_format": "base64"}).encode()
+    return Request(body, items, 0)
 
 
-def _client_process(
-    url: str, items: int, connections: int, warmup_s: float, seconds: float
-) -> dict[str, Any]:
-    return asyncio.run(_client(url, items, connections, warmup_s, seconds))
-
-
-def drive(url: str, items: int, concurrency: int, seconds: float) -> dict[str, Any]:
-    """`concurrency` connections spread over CLIENT_PROCESSES processes; items/s in the timed window."""
-    per = max(1, concurrency // CLIENT_PROCESSES)
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(CLIENT_PROCESSES) as pool:
-        parts = pool.starmap(_client_process, [(url, items, per, 2.0, seconds)] * CLIENT_PROCESSES)
-    lat = np.asarray([x for p in parts for x in p["latencies"]])
-    replicas: Counter[str] = Counter()
-    failures: Counter[str] = Counter()
-    for p in parts:
-        replicas.update(p["replicas"])
-        failures.update(p["failures"])
-    n = len(lat)
-    return {
-        "items_per_request": items,
-        "concurrency": per * CLIENT_PROCESSES,
-        "requests": n,
-        "items_per_s": n * items / seconds,
-        "p50_ms": float(np.percentile(lat, 50) * 1e3) if n else None,
-        "p99_ms": float(np.percentile(lat, 99) * 1e3) if n else None,
-        "by_replica": dict(replicas),
-        "failures": dict(failures),
-    }
+def load(pool: Executor, url: str, items: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    """2 s untimed (connections open, graphs seen), then the timed window; bench_service.drive does both."""
+    req = _request(items, 0)
+    drive(pool, CLIENT_PROCESSES, url, req, concurrency, 2.0, concurrency)
+    row = drive(pool, CLIENT_PROCESSES, url, req, concurrency, seconds, 2 * concurrency)
+    row["items_per_request"] = items
+    return row
 
 
 def inprocess(model: Path, seconds: float) -> dict[str, Any]:
@@ -156,7 +104,9 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -
     raise TimeoutError("server not ready")
 
 
-def server_phase(cmd: list[str], env: dict[str, str], port: int, seconds: float) -> dict[str, Any]:
+def server_phase(
+    pool: Executor, cmd: list[str], env: dict[str, str], port: int, seconds: float
+) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
@@ -164,7 +114,7 @@ def server_phase(cmd: list[str], env: dict[str, str], port: int, seconds: float)
         _wait_ready(url, proc)
         out: dict[str, Any] = {"ready_s": time.monotonic() - t0}
         for name, (items, concurrency) in LOADS.items():
-            out[name] = drive(url, items, concurrency, seconds)
+            out[name] = load(pool, url, items, concurrency, seconds)
             print(f"  {name}: {out[name]['items_per_s']:.0f} items/s, p99 {out[name]['p99_ms']} ms, "
                   f"replicas {out[name]['by_replica']}", flush=True)  # fmt: skip
         return out
@@ -197,18 +147,19 @@ def main() -> int:
         print("inprocess:", results["phases"]["inprocess"], flush=True)
         save()
     py = [sys.executable, "-m", "app.cli"]
+    pool = ProcessPoolExecutor(CLIENT_PROCESSES, mp_context=multiprocessing.get_context("spawn"))
     if "serve" in phases:
         print("serve:", flush=True)
         serve_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
         cmd = [*py, "serve", "--model", str(args.model), "--port", "8801"]
-        results["phases"]["serve"] = server_phase(cmd, serve_env, 8801, args.seconds)
+        results["phases"]["serve"] = server_phase(pool, cmd, serve_env, 8801, args.seconds)
         save()
     if "ray" in phases:
         for i, n in enumerate(int(r) for r in args.replicas.split(",")):
             print(f"ray-{n}:", flush=True)
             port = 8802 + i  # a port of its own: nothing left of the previous phase can answer
             cmd = [*py, "serve-ray", "--model", str(args.model), "--port", str(port), "--replicas", str(n)]
-            results["phases"][f"ray-{n}"] = server_phase(cmd, env, port, args.seconds)
+            results["phases"][f"ray-{n}"] = server_phase(pool, cmd, env, port, args.seconds)
             save()
     ray = {k: v for k, v in results["phases"].items() if k.startswith("ray-")}
     if "ray-1" in ray and len(ray) > 1:
@@ -218,6 +169,7 @@ def main() -> int:
         }
         print(f"scaling {top} / ray-1:", results["scaling"], flush=True)
     save()
+    pool.shutdown()
     return 0
 
 

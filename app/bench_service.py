@@ -29,7 +29,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,6 +44,7 @@ from eg2_runtime.tools.bench_workloads import MIME, Input, Named
 
 PATH = "/v1/embeddings"
 SWEEP_SCALE = 4  # a sweep row's time box, in multiples of the budget's cell time box
+CLIENT_PROCESSES = 4  # the sweep's load generator processes
 HEADERS = {"content-type": "application/json"}
 
 
@@ -174,90 +175,135 @@ def measure_named(url: str, named: Sequence[Named], budget: Budget, progress: Pr
 # ----------------------------------------------------------------------------------------- the sweep
 
 
-async def _drive(
-    client: httpx.AsyncClient, req: Request, concurrency: int, seconds: float, min_requests: int
+async def _clients(
+    url: str, body: bytes, concurrency: int, seconds: float, min_requests: int
 ) -> dict[str, Any]:
-    """`concurrency` clients each sending `req` back to back until `min_requests` are answered and
-    `seconds` have passed (or 4 x seconds, for slow requests)."""
+    """`concurrency` clients each sending `body` back to back until `min_requests` are answered and
+    `seconds` have passed (or 4 x seconds, for slow requests). Raw figures, merged by `drive`."""
     latencies: list[float] = []
     queue_ms: list[float] = []
     inference_ms: list[float] = []
     failures: Counter[str] = Counter()
+    replicas: Counter[str] = Counter()
     issued = 0
-    start = time.perf_counter()
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+        start = time.perf_counter()
 
-    async def client_loop() -> None:
-        nonlocal issued
-        while True:
-            elapsed = time.perf_counter() - start
-            if issued >= min_requests and elapsed >= seconds:
-                return
-            if issued >= concurrency and elapsed >= 4 * seconds:  # slow requests: one each, at least
-                return
-            issued += 1
-            s = time.perf_counter()
-            try:
-                r = await client.post(PATH, content=req.body, headers=HEADERS)
-            except httpx.HTTPError as e:
-                failures[type(e).__name__] += 1
-                continue
-            if r.status_code != 200:
-                failures[f"HTTP {r.status_code}"] += 1
-                continue
-            latencies.append(time.perf_counter() - s)
-            queue_ms.append(float(r.headers.get("x-queue-time-ms", "nan")))
-            inference_ms.append(float(r.headers.get("x-inference-time-ms", "nan")))
+        async def client_loop() -> None:
+            nonlocal issued
+            while True:
+                elapsed = time.perf_counter() - start
+                if issued >= min_requests and elapsed >= seconds:
+                    return
+                if issued >= concurrency and elapsed >= 4 * seconds:  # slow requests: one each, at least
+                    return
+                issued += 1
+                s = time.perf_counter()
+                try:
+                    r = await client.post(PATH, content=body, headers=HEADERS)
+                except httpx.HTTPError as e:
+                    failures[type(e).__name__] += 1
+                    continue
+                if r.status_code != 200:
+                    failures[f"HTTP {r.status_code}"] += 1
+                    continue
+                latencies.append(time.perf_counter() - s)
+                queue_ms.append(float(r.headers.get("x-queue-time-ms", "nan")))
+                inference_ms.append(float(r.headers.get("x-inference-time-ms", "nan")))
+                replicas[r.headers.get("x-replica-id", "-")] += 1
 
-    cpu0 = time.thread_time()
-    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
+        cpu0 = time.process_time()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return {
+        "latencies": latencies,
+        "queue_ms": queue_ms,
+        "inference_ms": inference_ms,
+        "failures": dict(failures),
+        "replicas": dict(replicas),
+        "issued": issued,
+        "cpu_s": time.process_time() - cpu0,
+        "wall_s": wall,
+    }
+
+
+def _client_process(
+    url: str, body: bytes, concurrency: int, seconds: float, min_requests: int
+) -> dict[str, Any]:
+    return asyncio.run(_clients(url, body, concurrency, seconds, min_requests))
+
+
+def drive(
+    pool: Executor,
+    processes: int,
+    url: str,
+    req: Request,
+    concurrency: int,
+    seconds: float,
+    min_requests: int,
+) -> dict[str, Any]:
+    """`concurrency` clients spread over `processes` of the pool's processes (one client process tops
+    out at a few hundred requests/s: it would measure itself, not the server). One merged row."""
+    processes = max(1, min(concurrency, processes))
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    jobs = [
+        pool.submit(_client_process, url, req.body, c, seconds, max(1, min_requests * c // concurrency))
+        for c in shares
+    ]
+    parts = [j.result() for j in jobs]
+    failures: Counter[str] = Counter()
+    replicas: Counter[str] = Counter()
+    for p in parts:
+        failures.update(p["failures"])
+        replicas.update(p["replicas"])
+    wall = max(p["wall_s"] for p in parts)
     out: dict[str, Any] = {
         "concurrency": concurrency,
-        "requests": issued,
+        "client_processes": processes,
+        "requests": sum(p["issued"] for p in parts),
         "failures": dict(failures),
-        "client_cpu_s": time.thread_time() - cpu0,
+        "by_replica": dict(replicas),
+        # The busiest client process's CPU over the wall time: near 100% the client is the limit.
+        "client_cpu_s": max(p["cpu_s"] for p in parts),
         "wall_s": wall,
         "error": None,
     }
+    latencies = [x for p in parts for x in p["latencies"]]
     if not latencies:
         out["error"] = f"no request succeeded: {dict(failures)}"
         return out
     n = len(latencies)
     out |= stats(latencies, n * req.items, n * req.tokens, wall, req.items)
-    for name, values in (("server_queue", queue_ms), ("server_inference", inference_ms)):
-        v = np.asarray(values)
-        out[f"{name}_p50_ms"] = float(np.nanpercentile(v, 50)) if np.isfinite(v).any() else None
-        out[f"{name}_p99_ms"] = float(np.nanpercentile(v, 99)) if np.isfinite(v).any() else None
+    for name in ("queue", "inference"):
+        v = np.asarray([x for p in parts for x in p[f"{name}_ms"]])
+        out[f"server_{name}_p50_ms"] = float(np.nanpercentile(v, 50)) if np.isfinite(v).any() else None
+        out[f"server_{name}_p99_ms"] = float(np.nanpercentile(v, 99)) if np.isfinite(v).any() else None
     return out
 
 
-async def _sweep(
+def sweep(
+    pool: Executor,
+    processes: int,
     url: str,
     inputs: Sequence[tuple[str, Input]],
     concurrencies: Sequence[int],
     budget: Budget,
     progress: Progress,
 ) -> list[dict[str, Any]]:
-    limits = httpx.Limits(max_connections=max(concurrencies), max_keepalive_connections=max(concurrencies))
     rows = []
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
-        for family, x in inputs:
-            req = request([x])
-            for c in concurrencies:
-                if budget.warmup:  # one untimed request per client: its connection is open, its batch
-                    await _drive(client, req, c, 0.0, c)  # shapes have been seen once
-                row = {"family": family, "modality": x.kind, "tokens_per_item": x.tokens}
-                # A window several times a cell's: every client must go round many times in it, or
-                # the figure measures the ramp-up of c clients rather than the steady state.
-                row |= await _drive(
-                    client,
-                    req,
-                    c,
-                    SWEEP_SCALE * budget.seconds,
-                    max(budget.min_rounds + 1, c * budget.per_client),
-                )
-                rows.append(row)
-                progress(_sweep_line(row))
+    for family, x in inputs:
+        req = request([x])
+        for c in concurrencies:
+            if budget.warmup:  # one untimed request per client: its connection is open, its batch
+                drive(pool, processes, url, req, c, 0.0, c)  # shapes have been seen once
+            row = {"family": family, "modality": x.kind, "tokens_per_item": x.tokens}
+            # A window several times a cell's: every client must go round many times in it, or the
+            # figure measures the ramp-up of c clients rather than the steady state.
+            min_requests = max(budget.min_rounds + 1, c * budget.per_client)
+            row |= drive(pool, processes, url, req, c, SWEEP_SCALE * budget.seconds, min_requests)
+            rows.append(row)
+            progress(_sweep_line(row))
     return rows
 
 
@@ -280,30 +326,24 @@ def run_service(
     progress: Progress,
 ) -> dict[str, Any]:
     """Configuration (d): the named workloads one request at a time, then the concurrency sweep."""
-    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state, no fork of CUDA
-    with LiveService(engine) as live, ProcessPoolExecutor(1, mp_context=spawn) as client:
+    # Clients in processes of their own (spawned: a fresh interpreter, no fork of CUDA state), as real
+    # clients would be: in the server's interpreter they competed with it for the GIL.
+    spawn = multiprocessing.get_context("spawn")
+    processes = 1 if budget.per_client <= 1 else CLIENT_PROCESSES  # quick mode: one is plenty
+    with LiveService(engine) as live, ProcessPoolExecutor(processes, mp_context=spawn) as pool:
         settings = live.settings.model_dump(mode="json", exclude={"api_key"})
         settings["max_batch_tokens_in_effect"] = live.server.service.batch_tokens()
         out: dict[str, Any] = {"settings": settings}
-        job = client.submit(_load, live.url, list(named), list(sweep_inputs), tuple(concurrencies), budget)
-        out |= job.result()
+        out["named"] = pool.submit(_named_process, live.url, list(named), budget).result()
+        out["sweep"] = sweep(pool, processes, live.url, sweep_inputs, concurrencies, budget, progress)
     return out
 
 
-def _load(
-    url: str,
-    named: Sequence[Named],
-    sweep_inputs: Sequence[tuple[str, Input]],
-    concurrencies: Sequence[int],
-    budget: Budget,
-) -> dict[str, Any]:
-    """The load generator, in the client process: named workloads, then the sweep."""
+def _named_process(url: str, named: Sequence[Named], budget: Budget) -> dict[str, Any]:
+    """The named workloads from a client process: one synchronous client, one request at a time."""
     start = time.perf_counter()
 
     def progress(line: str) -> None:
         print(f"[client {time.perf_counter() - start:6.1f} s] {line}", file=sys.stderr, flush=True)
 
-    return {
-        "named": measure_named(url, named, budget, progress),
-        "sweep": asyncio.run(_sweep(url, sweep_inputs, concurrencies, budget, progress)),
-    }
+    return measure_named(url, named, budget, progress)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -263,3 +264,24 @@ def test_cli_hands_bench_its_own_arguments(capsys: pytest.CaptureFixture[str]) -
         cli_main(["bench", "--help"])
     assert exc.value.code == 0
     assert "--quick" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_scale_measures_a_real_server(tiny_bf16: Path, tmp_path: Path) -> None:
+    """app/bench_scale.py end to end against `eg2 serve` on the CPU: both loads answered, nothing
+    failed, figures written (the Ray phases need GPUs to mean anything; CI covers Ray elsewhere)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "scale"
+    cmd = [sys.executable, "-m", "app.bench_scale", "--model", str(tiny_bf16), "--phases", "serve",
+           "--seconds", "0.5", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "EG2_DEVICE": "cpu"}
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    serve = json.loads((out / "scale.json").read_text())["phases"]["serve"]
+    for load, items in (("single", 1), ("batch32", 32)):
+        row = serve[load]
+        assert row["items_per_request"] == items and not row["failures"] and row["requests"] > 0, row
+        assert row["items_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0, row
