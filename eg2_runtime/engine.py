@@ -80,8 +80,10 @@ class EngineOptions:
     # Keep the 256 MiB token-embedding table in pinned host memory (CUDA only): fewer resident
     # bytes, for a host gather and a (B, T, H) copy per forward.
     host_token_table: bool = False
-    # prepare_many's media threads. Images and video scale with threads (H200 host, 16 images:
-    # 20 ms each on 1 thread, 5.2 on 16); audio does not (7.7 ms per clip on 1 to 16 threads).
+    # prepare_many's media threads. Images scale with threads (H200 host, 16 images: 20 ms each on
+    # 1 thread, 5.2 on 16). Audio did not (7.7 ms per clip on 1 to 16 threads) until numpy's BLAS
+    # was held to one thread (single_threaded_numpy_blas): 3.3 -> 1.9 ms per clip on 2 threads of
+    # the 2-core dev machine; not yet re-measured on the H200 host.
     prepare_threads: int = min(16, os.cpu_count() or 1)
 
 
@@ -108,6 +110,7 @@ class Engine:
         self._digest: str | None = None
         self._digest_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
         if options.host_token_table:
             report.host_bytes = model.language_model.keep_table_on_host()
             report.resident_bytes -= report.host_bytes
@@ -279,6 +282,26 @@ class Engine:
                             h.update(chunk)
                 self._digest = h.hexdigest()
             return self._digest
+
+
+def single_threaded_numpy_blas() -> int:
+    """Limit numpy's own OpenBLAS to one thread, process-wide; returns how many libraries changed.
+
+    The log-mel projection is a small (F, 257) @ (257, 128) matmul that OpenBLAS spreads over every
+    core; with several prepare threads doing it at once the BLAS threads thrash, and 16 threads
+    prepared audio no faster than one (H200 host, 7.7 ms per clip either way). One BLAS thread per
+    item lets the items themselves run in parallel. The product's bits do not depend on the
+    thread count (OpenBLAS splits the output, not the sums). torch's own BLAS and OpenMP are left alone.
+    """
+    from threadpoolctl import ThreadpoolController
+
+    controller = ThreadpoolController()
+    numpy_blas = [
+        c.filepath for c in controller.lib_controllers if "numpy" in c.filepath and c.user_api == "blas"
+    ]
+    if numpy_blas:
+        controller.select(filepath=numpy_blas).limit(limits=1)
+    return len(numpy_blas)
 
 
 def _fuse_norms(model: EG2Model) -> None:

@@ -10,7 +10,7 @@ into static input buffers; each bucket's graph is captured on first use (or ahea
 `capture_all`) and replayed after that. Pad rows and columns are zero embeddings marked invalid: the
 attention masks hide them as keys and pooling skips them, so valid rows see exactly what they would
 unpadded. Padding changes only which attention kernel runs (masked instead of mask-free), which
-moves BF16 results by rounding only; tests/test_graphs.py and the GPU suite hold both paths together.
+moves BF16 results by rounding only; tests/test_engine_fast_paths.py and the GPU suite hold both paths together.
 
 Assumes one caller thread (the engine's) and a CUDA device. Every graph shares one memory pool and
 one set of input buffers; replays never overlap, and each result is copied out before the next.

@@ -115,3 +115,15 @@ def test_text_only_warmup_needs_no_media_libraries(tiny_fp32: Path, monkeypatch:
     engine = Engine.from_dir(tiny_fp32, device="cpu", modalities={"text"})
     batches = engine.warmup_batches(max_batch_tokens=4096, max_batch_items=8)
     assert [b[0].modality for b in batches] == ["text"]
+
+
+def test_numpy_blas_is_single_threaded_and_torch_is_not(tiny_fp32: Path) -> None:
+    """Preprocessing threads each get one BLAS thread (else 16 items x 16 BLAS threads thrash);
+    torch's own thread pools, which run CPU inference, keep theirs."""
+    from threadpoolctl import threadpool_info
+
+    torch_threads = torch.get_num_threads()
+    Engine.from_dir(tiny_fp32, device="cpu")
+    numpy_blas = [i for i in threadpool_info() if "numpy" in i["filepath"] and i["user_api"] == "blas"]
+    assert numpy_blas and all(i["num_threads"] == 1 for i in numpy_blas), numpy_blas
+    assert torch.get_num_threads() == torch_threads
