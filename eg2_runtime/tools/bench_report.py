@@ -521,8 +521,8 @@ def markdown(results: dict[str, Any]) -> str:
             "Server queue (x-queue-time-ms): the longest wait of the request's items between preprocessed "
             "and on the GPU. Server inference (x-inference-time-ms): the summed time of the GPU batches "
             "that carried them. The rest of a client latency is HTTP, JSON, base64, admission and "
-            "preprocessing. The load generator runs in this process: its CPU share competes with the "
-            "server for the GIL.\n"
+            "preprocessing. The load generator runs in client processes of its own; its CPU share is the "
+            "busiest client process's CPU time over the wall time: near 100%, the client is the limit.\n"
         )
 
     if results["errors"]:
