@@ -210,7 +210,9 @@ def test_one_bad_item_fails_only_its_request(marker: str) -> None:
         tasks = [asyncio.create_task(b.embed(items(*g), OPTS)) for g in good[:2]]
         tasks.append(asyncio.create_task(b.embed(items("ok", f"x {marker}", "ok too"), OPTS)))
         tasks += [asyncio.create_task(b.embed(items(*g), OPTS)) for g in good[2:]]
-        await until(lambda: engine.prepare_calls == 13)
+        # A prepare bug fails its request at once, which cancels that request's third item when
+        # its preparation has not started yet (CI once saw that): 12 or 13 preparations then.
+        await until(lambda: engine.prepare_calls >= (13 if marker == FORWARD_BUG else 12))
         engine.release()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
