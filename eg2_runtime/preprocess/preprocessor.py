@@ -236,11 +236,11 @@ class Preprocessor:
             frame_timestamps=s.timestamps,
         )
         if s.images:
-            p.pixel_values = torch.cat([x.pixel_values for x in s.images])
-            p.image_position_ids = torch.cat([x.position_ids for x in s.images])
+            p.pixel_values = _cat([x.pixel_values for x in s.images])
+            p.image_position_ids = _cat([x.position_ids for x in s.images])
         if s.videos:
-            p.pixel_values_videos = torch.cat([x.pixel_values for x in s.videos])
-            p.video_position_ids = torch.cat([x.position_ids for x in s.videos])
+            p.pixel_values_videos = _cat([x.pixel_values for x in s.videos])
+            p.video_position_ids = _cat([x.position_ids for x in s.videos])
             p.num_frames_per_video = torch.tensor(s.frame_counts, dtype=torch.int64)
         if s.audio:
             # Pad every audio's frames to the longest, as the reference's batch padding does.
@@ -251,6 +251,11 @@ class Preprocessor:
                 feats[i, : len(f)], masks[i, : len(mask)] = f, mask
             p.input_features, p.input_features_mask = torch.from_numpy(feats), torch.from_numpy(masks)
         return p
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, without its copy for the usual single part (one image's patches are 7.7 MB)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass
