@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.graphs import GraphedTextEncoder
@@ -335,10 +336,15 @@ def collate(items: Sequence[Prepared], pad_id: int, pin: bool = False) -> dict[s
     `pin`: build the batch in pinned host memory, so the copy to the GPU is asynchronous and runs at
     full bus speed (16 images are 124 MB of fp32 patches: ~35 ms from pageable memory on the H200).
     """
-    t = max(p.input_ids.shape[0] for p in items)
-    ids = _concat_padded([p.input_ids[None] for p in items], t, pad_id, pin)
-    mask = _concat_padded([torch.ones((1, p.input_ids.shape[0]), dtype=torch.long) for p in items], t, 0, pin)
-    out = {"input_ids": ids, "attention_mask": mask}
+    # One C++ call for the ids (64 short texts: 0.1 ms, against 0.8 ms row by row).
+    ids = pad_sequence([p.input_ids for p in items], batch_first=True, padding_value=pad_id)  # (B, T)
+    lengths = torch.tensor([p.input_ids.shape[0] for p in items])
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    out = (
+        {"input_ids": ids.pin_memory(), "attention_mask": mask.pin_memory()}
+        if pin
+        else {"input_ids": ids, "attention_mask": mask}
+    )
     for pixels, positions in (
         ("pixel_values", "image_position_ids"),
         ("pixel_values_videos", "video_position_ids"),
