@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from eg2_runtime.preprocess.image import PatchGeometry, decode_image, prepare_image, target_size
+from eg2_runtime.preprocess.image import PatchGeometry, decode_image, prepare_image, target_size, unit_pixels
 from tests import media
 
 GEOMETRY = PatchGeometry()
@@ -29,7 +29,8 @@ def reference(pil: Image.Image, budget: int = 280) -> dict[str, torch.Tensor]:
 
 def ours(data: bytes, budget: int = 280) -> tuple[torch.Tensor, torch.Tensor, int]:
     patched = prepare_image(decode_image(data, max_pixels=MAX_PIXELS), budget, GEOMETRY)
-    return patched.pixel_values, patched.position_ids, patched.num_soft_tokens
+    assert patched.pixel_values.dtype == torch.uint8  # codes until the model runs
+    return unit_pixels(patched.pixel_values), patched.position_ids, patched.num_soft_tokens
 
 
 def assert_matches(data: bytes, pil: Image.Image | None = None, budget: int = 280) -> None:
@@ -172,3 +173,11 @@ def test_padding_and_positions() -> None:
     assert pixels.dtype == torch.float32 and pixels.min() >= 0 and pixels.max() <= 1
     levels = pixels[0, :real] * 255
     assert torch.allclose(levels, levels.round(), atol=1e-3)  # uint8 levels / 255: nothing in between
+
+
+def test_unit_pixels_is_the_float32_rescale() -> None:
+    """Codes scaled on any device equal the processor's float32(x) * float32(1/255), every code."""
+    codes = np.arange(256, dtype=np.uint8)
+    want = torch.from_numpy(codes * np.float32(1 / 255))
+    assert want.dtype == torch.float32
+    assert torch.equal(unit_pixels(torch.from_numpy(codes)), want)

@@ -25,6 +25,17 @@ from eg2_runtime.errors import InputTooLargeError, MediaDecodeError
 from eg2_runtime.preprocess.limits import reason
 
 RESCALE = 1 / 255  # the processor's rescale_factor, applied in float32 as `uint8 * 0.00392156862745098`
+
+
+def unit_pixels(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 pixel codes -> float32 pixels in [0, 1], as the reference processor rescales them:
+    float32(code) * float32(1/255), one correctly rounded product, so any device gives the same bits.
+
+    The patches travel as codes (a quarter of the bytes through collation and the copy to the GPU)
+    and are scaled where the model runs (Engine.forward)."""
+    return codes.to(torch.float32) * torch.tensor(RESCALE, dtype=torch.float32, device=codes.device)
+
+
 Image.init()  # register every plugin now: open(formats=...) looks the names up before it would
 # Pillow plugin names, in sniffing order (MPO, the phones' multi-picture JPEG, where Pillow has it as
 # its own plugin). Anything else (EPS would run Ghostscript, PSD, ICO, ...) is refused unopened.
@@ -48,7 +59,9 @@ class PatchGeometry:
 
 @dataclass
 class PatchedImages:
-    pixel_values: torch.Tensor  # (N, max_patches, p*p*3) float32 in [0, 1], zero rows after the real ones
+    pixel_values: (
+        torch.Tensor
+    )  # (N, max_patches, p*p*3) uint8 codes (`unit_pixels`), zero rows after the real ones
     position_ids: torch.Tensor  # (N, max_patches, 2) int64 (x, y); (-1, -1) for padding
     num_soft_tokens: int  # per image: real patches / pooling_kernel_size^2
 
@@ -154,7 +167,7 @@ def resize_uint8(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 def patchify(frames: torch.Tensor, max_patches: int, geometry: PatchGeometry) -> PatchedImages:
-    """(N, 3, H, W) uint8, H and W multiples of 48 -> padded (py, px, c)-flattened float patches.
+    """(N, 3, H, W) uint8, H and W multiples of 48 -> padded (py, px, c)-flattened uint8 patches.
 
     numpy, single-threaded on purpose: requests are prepared on many threads at once, and torch's
     intra-op threads on top of those only contend for the same cores.
@@ -166,11 +179,10 @@ def patchify(frames: torch.Tensor, max_patches: int, geometry: PatchGeometry) ->
     if real > max_patches:
         raise ValueError(f"{h}x{w} gives {real} patches, more than {max_patches}")
     # (N, C, ph, py, pw, px) -> (N, ph, pw, py, px, C): patch-major, then row, column, channel inside a
-    # patch. Written straight into the float output through a 6-D view of its real rows: one pass.
+    # patch. Written straight into the output through a 6-D view of its real rows: one pass.
     src = frames.numpy().reshape(n, c, ph, p, pw, p).transpose(0, 2, 4, 3, 5, 1)
-    pixel_values = np.zeros((n, max_patches, p * p * c), dtype=np.float32)  # calloc: padding rows stay 0
-    dst = pixel_values[:, :real].reshape(n, ph, pw, p, p, c)
-    np.multiply(src, np.float32(RESCALE), out=dst)  # float32(x) * float32(1/255), as torch computes it
+    pixel_values = np.zeros((n, max_patches, p * p * c), dtype=np.uint8)  # calloc: padding rows stay 0
+    pixel_values[:, :real].reshape(n, ph, pw, p, p, c)[...] = src
     positions = np.full((n, max_patches, 2), -1, dtype=np.int64)
     idx = np.arange(real)
     positions[:, :real, 0] = idx % pw  # x = column

@@ -26,6 +26,9 @@ import torch
 
 from eg2_runtime.errors import InputError, InputTooLongError
 from eg2_runtime.inputs import Modality
+from eg2_runtime.preprocess.image import unit_pixels
+
+PIXEL_INPUTS = frozenset({"pixel_values", "pixel_values_videos"})  # uint8 codes until the model runs
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,9 @@ class Prepared:
 
     input_ids: torch.Tensor  # (T,) int64: <bos> ... <eos>, markers and placeholders included
     modality: Modality
-    pixel_values: torch.Tensor | None = None  # (n_images, budget*9, 768) float32 in [0, 1]
+    pixel_values: torch.Tensor | None = None  # (n_images, budget*9, 768) uint8 codes (image.unit_pixels)
     image_position_ids: torch.Tensor | None = None  # (n_images, budget*9, 2) int64 (x, y), -1 pads
-    pixel_values_videos: torch.Tensor | None = None  # (n_frames, 630, 768) float32, all videos' frames
+    pixel_values_videos: torch.Tensor | None = None  # (n_frames, 630, 768) uint8 codes, all videos' frames
     video_position_ids: torch.Tensor | None = None  # (n_frames, 630, 2) int64
     num_frames_per_video: torch.Tensor | None = None  # (n_videos,) int64: splits pixel_values_videos
     input_features: torch.Tensor | None = None  # (n_audio, F, 128) float32 log-mel, zero past the mask
@@ -86,7 +89,8 @@ class Prepared:
         return int(self.input_ids.shape[0])
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """The non-empty tensors, keyed by the reference model's argument names."""
+        """The non-empty tensors, keyed by the reference model's argument names, pixels in [0, 1] as
+        the reference processor gives them."""
         names = (
             "input_ids",
             "pixel_values",
@@ -97,7 +101,8 @@ class Prepared:
             "input_features",
             "input_features_mask",
         )
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        out = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return {n: unit_pixels(t) if n in PIXEL_INPUTS else t for n, t in out.items()}
 
 
 def check_text(text: str, markers: Markers, param: str = "input") -> None:

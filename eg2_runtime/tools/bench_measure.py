@@ -32,6 +32,8 @@ import torch
 
 from eg2_runtime.engine import Engine, PreparedItem, collate
 from eg2_runtime.inputs import PrepareOptions
+from eg2_runtime.preprocess.image import unit_pixels
+from eg2_runtime.preprocess.layout import PIXEL_INPUTS
 from eg2_runtime.tools.bench_workloads import Input, Workload
 
 OPTIONS = PrepareOptions()  # no prompt, the default 280-token image budget: what the reference does
@@ -234,7 +236,11 @@ class Ours:
         model = self.engine.model
         batch = collate([p.inputs for p in prepared], model.config.text.pad_token_id)
         ids = batch.pop("input_ids")
-        on_device = {k: v.to(self.device) for k, v in batch.items()}
+        # Pixels scaled from their uint8 codes up front, so the eager model below can take them too.
+        on_device = {
+            k: unit_pixels(v.to(self.device)) if k in PIXEL_INPUTS else v.to(self.device)
+            for k, v in batch.items()
+        }
 
         @torch.inference_mode()
         def forward() -> object:  # the engine's path: CUDA graphs where it has them
