@@ -40,7 +40,7 @@ from eg2_runtime.inputs import (
 )
 from eg2_runtime.layers import use_fused_norms
 from eg2_runtime.loader import LoadReport, load_model
-from eg2_runtime.model import EG2Model, pool
+from eg2_runtime.model import EG2Model
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
 from eg2_runtime.preprocess.image import unit_pixels
 from eg2_runtime.preprocess.layout import PIXEL_INPUTS
@@ -222,30 +222,33 @@ class Engine:
         yield batch[start:]
 
     def _forward(self, items: Sequence[Prepared]) -> torch.Tensor:
+        return self.forward(*self.device_batch(items))
+
+    def device_batch(self, items: Sequence[Prepared]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Prepared items -> (input_ids on the host, the other model inputs on the device).
+
+        The ids stay on the host: the embedding lookup moves what it needs. Pixel patches travel as
+        uint8 codes (a quarter of the bytes to collate and copy) and become [0, 1] floats here.
+        """
         inputs = collate(items, self.model.config.text.pad_token_id, pin=self.device.type == "cuda")
-        ids = inputs.pop("input_ids")  # stays on the host: the embedding lookup moves what it needs
-        return self.forward(ids, {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()})
+        ids = inputs.pop("input_ids")
+        on_device = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        return ids, {k: unit_pixels(v) if k in PIXEL_INPUTS else v for k, v in on_device.items()}
 
     def forward(self, input_ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A collated batch -> (B, D) fp32 unit vectors on the device (`inputs` on the device).
+        """A batch as `device_batch` gives it -> (B, D) fp32 unit vectors on the device.
 
         The reference path is EG2Model.forward. With graphs, the media towers and the scatter run
         eagerly as before, and the text encoder plus pooling replay a captured graph.
         """
-        # Pixel patches arrive as uint8 codes (a quarter of the bytes to collate and copy).
-        inputs = {
-            k: unit_pixels(v) if k in PIXEL_INPUTS and v.dtype == torch.uint8 else v
-            for k, v in inputs.items()
-        }
+        inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
         if self.graphs is None:
             return self.model(input_ids, **inputs)
-        media = dict(inputs)
-        mask = media.pop("attention_mask")
-        embeds = self.model.input_embeddings(input_ids, **media)
-        valid = mask.bool()
-        vectors = self.graphs(embeds, valid)
+        mask = inputs.pop("attention_mask")
+        embeds = self.model.input_embeddings(input_ids, **inputs)
+        vectors = self.graphs(embeds, mask.bool())
         if vectors is None:  # no bucket holds it: a large batch, already GPU-bound
-            vectors = pool(self.model.language_model(embeds, valid).float(), mask)
+            vectors = self.model.encode(embeds, mask)
         return vectors
 
     # ---- reports --------------------------------------------------------------------------------

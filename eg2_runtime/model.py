@@ -124,18 +124,15 @@ class EG2Model(nn.Module):
             embeds = embeds.masked_scatter(slots.to(embeds.device)[..., None], soft)
         return embeds
 
-    def token_embeddings(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Per-token embeddings (B, T, D), before pooling."""
-        return self.language_model(self.input_embeddings(input_ids, **media), attention_mask.bool())
+    def encode(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) input embeddings -> (B, D) fp32 unit vectors: the text encoder, then `pool`."""
+        return pool(self.language_model(embeds, attention_mask.bool()).float(), attention_mask)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None
     ) -> torch.Tensor:
         """Unit embeddings (B, D) in fp32: mean over every token with attention_mask 1, then L2."""
-        tokens = self.token_embeddings(input_ids, attention_mask, **media).float()
-        return pool(tokens, attention_mask)
+        return self.encode(self.input_embeddings(input_ids, **media), attention_mask)
 
 
 def pool(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

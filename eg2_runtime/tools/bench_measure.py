@@ -30,10 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eg2_runtime.engine import Engine, PreparedItem, collate
+from eg2_runtime.engine import Engine, PreparedItem
 from eg2_runtime.inputs import PrepareOptions
-from eg2_runtime.preprocess.image import unit_pixels
-from eg2_runtime.preprocess.layout import PIXEL_INPUTS
 from eg2_runtime.tools.bench_workloads import Input, Workload
 
 OPTIONS = PrepareOptions()  # no prompt, the default 280-token image budget: what the reference does
@@ -234,13 +232,7 @@ class Ours:
         embed = device_times_ms(lambda: self.engine.embed(prepared), torch.device("cpu"), budget)
         out["embed"] = _ms_stats(embed, len(prepared))
         model = self.engine.model
-        batch = collate([p.inputs for p in prepared], model.config.text.pad_token_id)
-        ids = batch.pop("input_ids")
-        # Pixels scaled from their uint8 codes up front, so the eager model below can take them too.
-        on_device = {
-            k: unit_pixels(v.to(self.device)) if k in PIXEL_INPUTS else v.to(self.device)
-            for k, v in batch.items()
-        }
+        ids, on_device = self.engine.device_batch([p.inputs for p in prepared])
 
         @torch.inference_mode()
         def forward() -> object:  # the engine's path: CUDA graphs where it has them
