@@ -6,12 +6,11 @@ imported, hence the subprocess); tests/test_gpu.py repeats the check on every la
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.triton_interpreter import assert_ok_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -36,8 +35,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_triton_kernel_is_bit_identical_to_reference() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert_ok_in_interpreter(SCRIPT)
