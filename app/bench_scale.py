@@ -55,18 +55,18 @@ WORDS = [
 LOADS = {"single": (1, 64), "batch32": (32, 8)}  # items per request, concurrency
 
 
-def _texts(n: int, seed: int) -> list[str]:
-    return [" ".join(WORDS[(seed + i + j) % len(WORDS)] for j in range(3)) for i in range(n)]
+def _texts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(3)) for i in range(n)]
 
 
-def _request(items: int, seed: int) -> Request:
-    body = json.dumps({"model": "eg2", "input": _texts(items, seed), "encoding_format": "base64"}).encode()
+def _request(items: int) -> Request:
+    body = json.dumps({"model": "eg2", "input": _texts(items), "encoding_format": "base64"}).encode()
     return Request(body, items, 0)
 
 
 def load(pool: Executor, url: str, items: int, concurrency: int, seconds: float) -> dict[str, Any]:
     """2 s untimed (connections open, graphs seen), then the timed window; bench_service.drive does both."""
-    req = _request(items, 0)
+    req = _request(items)
     drive(pool, CLIENT_PROCESSES, url, req, concurrency, 2.0, concurrency)
     row = drive(pool, CLIENT_PROCESSES, url, req, concurrency, seconds, 2 * concurrency)
     row["items_per_request"] = items
@@ -79,7 +79,7 @@ def inprocess(model: Path, seconds: float) -> dict[str, Any]:
     from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
     engine = Engine.from_dir(model, device="cuda", modalities={"text"})
-    items = [Item((TextPart(t),)) for t in _texts(32, 0)]
+    items = [Item((TextPart(t),)) for t in _texts(32)]
     opts = PrepareOptions()
     for _ in range(20):
         engine.embed(engine.prepare_many(items, opts))  # type: ignore[arg-type]
@@ -147,29 +147,37 @@ def main() -> int:
         print("inprocess:", results["phases"]["inprocess"], flush=True)
         save()
     py = [sys.executable, "-m", "app.cli"]
-    pool = ProcessPoolExecutor(CLIENT_PROCESSES, mp_context=multiprocessing.get_context("spawn"))
-    if "serve" in phases:
-        print("serve:", flush=True)
-        serve_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-        cmd = [*py, "serve", "--model", str(args.model), "--port", "8801"]
-        results["phases"]["serve"] = server_phase(pool, cmd, serve_env, 8801, args.seconds)
-        save()
-    if "ray" in phases:
-        for i, n in enumerate(int(r) for r in args.replicas.split(",")):
-            print(f"ray-{n}:", flush=True)
-            port = 8802 + i  # a port of its own: nothing left of the previous phase can answer
-            cmd = [*py, "serve-ray", "--model", str(args.model), "--port", str(port), "--replicas", str(n)]
-            results["phases"][f"ray-{n}"] = server_phase(pool, cmd, env, port, args.seconds)
+    with ProcessPoolExecutor(CLIENT_PROCESSES, mp_context=multiprocessing.get_context("spawn")) as pool:
+        if "serve" in phases:
+            print("serve:", flush=True)
+            serve_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+            cmd = [*py, "serve", "--model", str(args.model), "--port", "8801"]
+            results["phases"]["serve"] = server_phase(pool, cmd, serve_env, 8801, args.seconds)
             save()
+        if "ray" in phases:
+            for i, n in enumerate(int(r) for r in args.replicas.split(",")):
+                print(f"ray-{n}:", flush=True)
+                port = 8802 + i  # a port of its own: nothing left of the previous phase can answer
+                cmd = [
+                    *py,
+                    "serve-ray",
+                    "--model",
+                    str(args.model),
+                    "--port",
+                    str(port),
+                    "--replicas",
+                    str(n),
+                ]
+                results["phases"][f"ray-{n}"] = server_phase(pool, cmd, env, port, args.seconds)
+                save()
     ray = {k: v for k, v in results["phases"].items() if k.startswith("ray-")}
     if "ray-1" in ray and len(ray) > 1:
         top = max(ray, key=lambda k: int(k.split("-")[1]))
         results["scaling"] = {
-            load: ray[top][load]["items_per_s"] / ray["ray-1"][load]["items_per_s"] for load in LOADS
+            name: ray[top][name]["items_per_s"] / ray["ray-1"][name]["items_per_s"] for name in LOADS
         }
         print(f"scaling {top} / ray-1:", results["scaling"], flush=True)
     save()
-    pool.shutdown()
     return 0
 
 
