@@ -86,8 +86,8 @@ class EngineOptions:
     host_token_table: bool = False
     # prepare_many's media threads. Images scale with threads (H200 host, 16 images: 20 ms each on
     # 1 thread, 5.2 on 16). Audio did not (7.7 ms per clip on 1 to 16 threads) until numpy's BLAS
-    # was held to one thread (single_threaded_numpy_blas): 3.3 -> 1.9 ms per clip on 2 threads of
-    # the 2-core dev machine; not yet re-measured on the H200 host.
+    # was held to one thread (single_threaded_numpy_blas): 16 clips on 2 threads of the 2-core dev
+    # machine, 2.75 -> 1.86 ms per clip (a lone clip 2.20 -> 2.75 ms; docs/results/2026-11-30-cpu/).
     prepare_threads: int = min(16, os.cpu_count() or 1)
 
 
@@ -347,7 +347,7 @@ def collate(items: Sequence[Prepared], pad_id: int, pin: bool = False) -> dict[s
     full bus speed (16 images are 31 MB of uint8 patches; as fp32 they took ~35 ms from pageable
     memory on the H200).
     """
-    # One C++ call for the ids (64 short texts: 0.1 ms, against 0.8 ms row by row).
+    # One C++ call for the ids (64 short texts: 0.1 ms, against 0.8 ms row by row; dev machine).
     ids = pad_sequence([p.input_ids for p in items], batch_first=True, padding_value=pad_id)  # (B, T)
     lengths = torch.tensor([p.input_ids.shape[0] for p in items])
     mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()

@@ -96,7 +96,7 @@ def decode_video(data: bytes, config: VideoConfig, limits: MediaLimits) -> Sampl
             frames: list[np.ndarray] = []
             indices: list[int] = []
             # One converter per stream: `frame.to_ndarray(format=...)` builds a new swscale context
-            # for every frame, ~5 ms each, 20x the conversion itself. Same pixels either way.
+            # for every frame (an 8-frame clip: 15.4 -> 3.0 ms on the dev machine). Same pixels.
             to_rgb, rescale = VideoReformatter(), VideoReformatter()
             for i, frame in enumerate(container.decode(stream)):
                 if i > last:
