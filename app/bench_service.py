@@ -38,6 +38,7 @@ import httpx
 import numpy as np
 
 from eg2_runtime.engine import Engine, PreparedItem
+from eg2_runtime.errors import EG2Error
 from eg2_runtime.inputs import Item, PrepareOptions
 from eg2_runtime.tools.bench_measure import Budget, Progress, cell_header, stats, time_rounds
 from eg2_runtime.tools.bench_workloads import MIME, Input, Named
@@ -86,6 +87,9 @@ class _Prewarmed:
 
     def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
         return self._engine.prepare(item, options)
+
+    def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
+        return self._engine.prepare_many(items, options)
 
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         return self._engine.embed(batch)

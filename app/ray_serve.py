@@ -53,6 +53,9 @@ log = logging.getLogger("eg2.ray")
 APP_NAME = "eg2"
 DEPLOYMENT_NAME = "EG2Replica"
 REPLICA_HEADER = "x-replica-id"
+# Ray Serve logs every request in its proxy and in each replica, and ships each line to the driver:
+# at ~300 requests/s that made the proxy the bottleneck. The app keeps its own logs and metrics.
+SERVE_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ def deployment_options(settings: Settings, options: ScaleOptions, num_gpus: floa
         "health_check_period_s": 5.0,
         # A replica whose health check itself hangs is as wedged as one whose GPU call stalls.
         "health_check_timeout_s": max(settings.stall_timeout_s, 10.0),
+        "logging_config": SERVE_LOGGING,
     }
 
 
@@ -371,7 +375,7 @@ def deploy(settings: Settings, options: ScaleOptions) -> float:
 
     cluster_gpus = float(ray.cluster_resources().get("GPU", 0))  # type: ignore[no-untyped-call]
     num_gpus = gpus_per_replica(settings, options, cluster_gpus)
-    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.start(http_options={"host": settings.host, "port": settings.port}, logging_config=SERVE_LOGGING)
     # serve.run returns when the application is RUNNING: every initial replica passed its
     # (wrapped, warm-up-awaiting) lifespan startup.
     serve.run(build_application(settings, options, num_gpus), name=APP_NAME, route_prefix="/")

@@ -32,6 +32,7 @@ from app.service import State
 from app.settings import Settings
 from eg2_runtime.engine import PreparedItem
 from eg2_runtime.errors import (
+    EG2Error,
     EngineOutOfMemory,
     InputTooLargeError,
     InputTooLongError,
@@ -89,6 +90,7 @@ class FakeEngine:
         self.embedded_texts: list[str] = []  # texts of items in successful calls
         self.embed_threads: set[int] = set()
         self.prepare_calls = 0
+        self.prepare_jobs: list[list[str]] = []  # modality of each item, per prepare_many call
         self.warmups = 0
 
     # --- switches ------------------------------------------------------------------------------
@@ -154,6 +156,18 @@ class FakeEngine:
                 raise InputTooLongError(f"input is {n} tokens, over the {self.max_text_tokens}-token limit")
             n = self.max_text_tokens
         return PreparedItem(item.modality, n, n, inputs=(self.seed_of(item, options.prompt), text))
+
+    def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
+        """As Engine.prepare_many: an input error in its item's slot; a bug raises."""
+        with self._lock:
+            self.prepare_jobs.append([item.modality for item in items])
+        out: list[PreparedItem | EG2Error] = []
+        for item in items:
+            try:
+                out.append(self.prepare(item, options))
+            except EG2Error as e:
+                out.append(e)
+        return out
 
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         with self._lock:

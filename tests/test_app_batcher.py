@@ -21,7 +21,7 @@ from app.batcher import Batcher, Embedded
 from app.errors import Overloaded, classify
 from app.metrics import Metrics
 from eg2_runtime.errors import EngineOutOfMemory
-from eg2_runtime.inputs import Item, PrepareOptions, TextPart
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 
 T = TypeVar("T")
 OPTS = PrepareOptions()
@@ -162,6 +162,21 @@ def test_exactly_one_gpu_thread_and_preprocessing_overlaps() -> None:
 
     run(engine, body, preprocess_workers=4)
     assert len(engine.embed_threads) == 1
+
+
+def test_a_requests_text_is_prepared_in_one_call_and_each_media_item_alone() -> None:
+    """One tokenizer call and one thread hop for all of a request's text; media decode in parallel."""
+    engine = FakeEngine()
+    image = Item((MediaPart("image", b"png bytes"),))
+    request = [*items("a", "b"), image, *items("c"), image]
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed(request, OPTS)
+
+    result = run(engine, body)
+    assert sorted(engine.prepare_jobs) == [["image"], ["image"], ["text", "text", "text"]]
+    expected = [FakeEngine.expected(item) for item in request]
+    np.testing.assert_array_equal(result.vectors, np.stack(expected))  # rows back in request order
 
 
 # --- faults ----------------------------------------------------------------------------------------

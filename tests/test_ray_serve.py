@@ -80,6 +80,7 @@ def test_deployment_options_fixed_and_autoscaling() -> None:
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert fixed["graceful_shutdown_timeout_s"] == settings.drain_deadline_s
+    assert fixed["logging_config"]["enable_access_log"] is False  # Ray's per-request lines cost its proxy
 
     scaled = deployment_options(
         settings, ScaleOptions(replicas=8, min_replicas=1, max_replicas=4, target_ongoing_requests=8), 1.0
