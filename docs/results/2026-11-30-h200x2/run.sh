@@ -1,5 +1,5 @@
 #!/bin/bash
-# The 2-GPU scaling run of 2026-11-30 (issue 7), on the device tool's nvidia-h200-x2, carrying .whlray/
+# The 2-GPU scaling runs of 2026-11-30 (issue 7), on the device tool's nvidia-h200-x2, carrying .whlray/
 # (the stripped Ray wheel set plus the app's wheels, and a py-spy binary). Writes $OUT/scale-*.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whlray/*.whl >/dev/null 2>&1
@@ -21,6 +21,12 @@ run() {  # $1: name; the rest: environment for the run
     --out "$OUT/scale-$name" 2>&1 | grep -E "^(ray-|  single|  batch32|scaling)"
   wait
 }
-run default
-run throughput RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=0
+# 00:47 UTC, at commit d4e3023 + Ray's access logs off: both runs. 01:20 UTC, at daf0a53 (the batcher
+# prepares a request's text in one job): `RUNS=default` only.
+for r in ${RUNS:-default throughput}; do
+  case $r in
+    default) run default ;;
+    throughput) run throughput RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=0 ;;
+  esac
+done
 date -u
