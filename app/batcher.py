@@ -12,7 +12,7 @@
 A request whose future is done (answered, failed, cancelled on disconnect or timeout) is dead: its
 items are skipped before preprocessing and dropped before the GPU. A failing batch is split in halves
 and retried, so an out-of-memory batch still completes in smaller pieces and one poisoned item fails
-only its own request. Assumes the engine contract of eg2_runtime.engine: prepare is thread-safe,
+only its own request. Assumes the engine contract of eg2_runtime.engine: prepare_many is thread-safe,
 embed runs on one thread and returns unit rows in batch order.
 """
 
@@ -54,7 +54,6 @@ class EngineLike(Protocol):
     def prompts(self) -> dict[str, str]: ...
     @property
     def max_text_tokens(self) -> int: ...
-    def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem: ...
     def prepare_many(
         self, items: Sequence[Item], options: PrepareOptions
     ) -> list[PreparedItem | EG2Error]: ...

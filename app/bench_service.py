@@ -85,9 +85,6 @@ class _Prewarmed:
         self.prompts = engine.prompts
         self.max_text_tokens = engine.max_text_tokens
 
-    def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
-        return self._engine.prepare(item, options)
-
     def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
         return self._engine.prepare_many(items, options)
 

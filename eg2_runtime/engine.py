@@ -114,6 +114,7 @@ class Engine:
         self._digest: str | None = None
         self._digest_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()  # prepare_many runs on many threads (the service's pool)
         single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
         if options.host_token_table:
             report.host_bytes = model.language_model.keep_table_on_host()
@@ -158,11 +159,21 @@ class Engine:
         return _wrap(prepared)
 
     def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
-        """`prepare` for many items at once; a failing item gives its error in its slot."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.options.prepare_threads, thread_name_prefix="eg2-prepare")
-        out = self.preprocessor.prepare_batch(items, options, executor=self._pool)
+        """`prepare` for many items at once; a failing item gives its error in its slot. Thread-safe.
+
+        Media of several items are decoded on the engine's thread pool; a single item is prepared on
+        the calling thread (the service hands each media item to a thread of its own already)."""
+        executor = self._executor() if len(items) > 1 else None
+        out = self.preprocessor.prepare_batch(items, options, executor=executor)
         return [p if isinstance(p, EG2Error) else _wrap(p) for p in out]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.options.prepare_threads, thread_name_prefix="eg2-prepare"
+                )
+            return self._pool
 
     def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
         """A full-size batch per loaded modality, so an out-of-memory shows at boot, not under load."""
