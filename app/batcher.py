@@ -4,9 +4,10 @@
        └─► preprocess pool: N threads run engine.prepare_many, overlapping with the GPU (a request's
              text in one job, each of its media items in a job of its own)
              └─► per-modality queues of prepared items
-                   └─► scheduler (event loop): pick the modality with the oldest item, wait at most
-                       max_queue_delay for companions, take the oldest item plus the queued items
-                       closest to it in cost, under max_batch_tokens and max_batch_items
+                   └─► scheduler (event loop): pick the modality with the oldest item; while items
+                       of that modality are still in preprocessing, wait for them (max_queue_delay
+                       at most); take the oldest item plus the queued items closest to it in cost,
+                       under max_batch_tokens and max_batch_items
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 A request whose future is done (answered, failed, cancelled on disconnect or timeout) is dead: its
@@ -27,7 +28,7 @@ import math
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -254,6 +255,9 @@ class Batcher:
         self._prep = Threads(preprocess_workers, "eg2-prepare")
         self._gpu = Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
         self._queues: dict[str, _Queue] = {}
+        # Items of admitted requests still in preprocessing, by modality: the companions worth waiting
+        # for. With none on the way a batch runs at once (a lone request pays no queue delay).
+        self._preparing: Counter[str] = Counter()
         self._dead_queued = False  # a request ended with items still queued: sweep before the next batch
         self._wakeup = asyncio.Event()
         self._live: set[_Request] = set()
@@ -352,8 +356,10 @@ class Batcher:
         self._live.add(request)
         try:
             for group in _prepare_groups(items):
+                modality = items[group[0]].modality  # a group is one modality (text, or one media item)
+                self._preparing[modality] += len(group)
                 prep = self._prep.submit(self._prepare, [items[i] for i in group], options)
-                prep.add_done_callback(functools.partial(self._prepared, request, group))
+                prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
                 request.prep_futures.append(prep)
             await request.future
             rows = np.stack(request.rows)  # type: ignore[arg-type]  # every row was delivered
@@ -379,7 +385,11 @@ class Batcher:
                 self._metrics.preprocess_seconds.labels(p.modality).observe(share)
         return prepared
 
-    def _prepared(self, request: _Request, indices: list[int], prep: asyncio.Future[list[Any]]) -> None:
+    def _prepared(
+        self, request: _Request, indices: list[int], modality: str, prep: asyncio.Future[list[Any]]
+    ) -> None:
+        self._preparing[modality] -= len(indices)  # done, failed or cancelled: no longer on the way
+        self._wakeup.set()  # the scheduler may have been waiting for these
         if prep.cancelled():
             return
         if (exc := prep.exception()) is not None:
@@ -436,7 +446,7 @@ class Batcher:
             q = self._queues[modality]
             full = len(q) >= self.max_batch_items or q.tokens >= self.max_batch_tokens
             wait_s = q.items[0].enqueued + self._delay_s - time.monotonic()
-            if full or wait_s <= 0:
+            if full or wait_s <= 0 or self._preparing[modality] <= 0:
                 batch = q.take(self.max_batch_tokens, self.max_batch_items, self._window)
                 self._metrics.queue_depth.labels(modality).set(len(q))
                 return batch

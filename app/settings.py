@@ -115,13 +115,15 @@ class Settings(BaseSettings):
     max_queue_delay_ms: float = Field(
         default=2.0,
         ge=0,
-        description="How long the oldest waiting item may wait for companions before its batch runs while "
-        "the GPU is idle. Larger: fuller batches at low load, added latency; 0 runs at once.",
+        description="How long the oldest waiting item may wait, while the GPU is idle, for items of its "
+        "modality still in preprocessing (a burst of requests), so they share its batch. With none on the "
+        "way its batch runs at once. Larger: fuller batches from bursts, at up to that much added latency; "
+        "0 never waits.",
     )
     preprocess_workers: int = Field(
         default_factory=_default_workers,
         ge=1,
-        description="Threads that decode and tokenize (engine.prepare), overlapping with the GPU. More: media "
+        description="Threads that decode and tokenize (engine.prepare_many), overlapping with the GPU. More: media "
         "decoding keeps up with a fast GPU; each holds a decoded item in memory. Default: cores, at most 8.",
     )
 

@@ -129,17 +129,29 @@ def test_groups_items_of_similar_cost() -> None:
     assert sorted(len(b) for b in batches) == [8, 8], [[p.cost for p in b] for b in batches]
 
 
-def test_queue_delay_gathers_companions() -> None:
-    engine = FakeEngine()
+def test_queue_delay_waits_for_companions_in_preprocessing() -> None:
+    # One preprocessing thread, 50 ms per item: the second request's item is still being prepared
+    # when the first one's is queued, so the first waits for it and both share a batch.
+    engine = FakeEngine(prepare_delay_s=0.05)
 
     async def body(b: Batcher) -> None:
-        first = asyncio.create_task(b.embed(items("first"), OPTS))
-        await asyncio.sleep(0.03)
-        second = asyncio.create_task(b.embed(items("second"), OPTS))
-        await asyncio.gather(first, second)
+        await asyncio.gather(b.embed(items("first"), OPTS), b.embed(items("second"), OPTS))
 
-    run(engine, body, max_queue_delay_s=0.3)
+    run(engine, body, max_queue_delay_s=0.3, preprocess_workers=1)
     assert engine.batch_sizes() == [2]
+
+
+def test_a_lone_request_does_not_wait_out_the_queue_delay() -> None:
+    engine = FakeEngine()
+
+    async def body(b: Batcher) -> float:
+        start = time.monotonic()
+        await b.embed(items("alone"), OPTS)
+        return time.monotonic() - start
+
+    elapsed = run(engine, body, max_queue_delay_s=1.0)
+    assert elapsed < 0.5, f"a lone request waited {elapsed:.2f} s for companions that were not coming"
+    assert engine.batch_sizes() == [1]
 
 
 def test_exactly_one_gpu_thread_and_preprocessing_overlaps() -> None:
