@@ -32,19 +32,25 @@ def replicas_seen(base: str, want: int, timeout_s: float = 30) -> dict[str, int]
     return seen
 
 
-def vectors_by_replica(base: str, requests: int = 48, threads: int = 8) -> dict[str, list[np.ndarray]]:
-    """The same text embedded `requests` times from `threads` clients, grouped by the replica that answered."""
+def vectors_by_replica(
+    base: str, want: int = 2, timeout_s: float = 60, threads: int = 8
+) -> dict[str, list[np.ndarray]]:
+    """The same text embedded by `threads` concurrent clients, round after round, until `want` replicas
+    answered (or the timeout): its vectors, grouped by the replica that answered. Rounds, not one
+    shot: a balancer may briefly keep a replica out (HAProxy marks a replica down after a slow
+    health check on a loaded 2-core machine, then back up)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with httpx.Client(base_url=base, timeout=30) as client, ThreadPoolExecutor(threads) as pool:
-        responses = list(pool.map(lambda _: embed(client), range(requests)))
-    bad = [r.text for r in responses if r.status_code != 200]
-    assert not bad, bad
     by_replica: dict[str, list[np.ndarray]] = {}
-    for r in responses:
-        by_replica.setdefault(r.headers[REPLICA_HEADER], []).append(
-            np.array(r.json()["data"][0]["embedding"])
-        )
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(base_url=base, timeout=30) as client, ThreadPoolExecutor(threads) as pool:
+        while len(by_replica) < want and time.monotonic() < deadline:
+            responses = list(pool.map(lambda _: embed(client), range(2 * threads)))
+            bad = [r.text for r in responses if r.status_code != 200]
+            assert not bad, bad
+            for r in responses:
+                vector = np.array(r.json()["data"][0]["embedding"])
+                by_replica.setdefault(r.headers[REPLICA_HEADER], []).append(vector)
     return by_replica
 
 
