@@ -44,6 +44,7 @@ from eg2_runtime.model import EG2Model
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
 from eg2_runtime.preprocess.image import unit_pixels
 from eg2_runtime.preprocess.layout import PIXEL_INPUTS
+from eg2_runtime.tower_graphs import GraphedTowers
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ class EngineOptions:
     # was held to one thread (single_threaded_numpy_blas): 16 clips on 2 threads of the 2-core dev
     # machine, 2.75 -> 1.86 ms per clip (a lone clip 2.20 -> 2.75 ms; docs/results/2026-11-30-cpu/).
     prepare_threads: int = min(16, os.cpu_count() or 1)
+    # CUDA graphs for the vision and audio towers at small batches (tower_graphs.py), with the text
+    # graphs. Off until the capture has run on a GPU: tested on the CPU only so far.
+    tower_graphs: bool = False
 
 
 class Engine:
@@ -124,6 +128,9 @@ class Engine:
         self.graphs: GraphedTextEncoder | None = None
         if options.graph_max_tokens and self.device.type == "cuda":
             self.graphs = GraphedTextEncoder(model.language_model, options.graph_max_tokens)
+        self.towers: GraphedTowers | None = None
+        if self.graphs is not None and options.tower_graphs and self.modalities - {"text"}:
+            self.towers = GraphedTowers(model)
 
     @classmethod
     def from_dir(
@@ -249,14 +256,15 @@ class Engine:
     def forward(self, input_ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch as `device_batch` gives it -> (B, D) fp32 unit vectors on the device.
 
-        The reference path is EG2Model.forward. With graphs, the media towers and the scatter run
-        eagerly as before, and the text encoder plus pooling replay a captured graph.
+        The reference path is EG2Model.forward. With graphs, the text encoder plus pooling replay a
+        captured graph; the media towers replay theirs when `tower_graphs` is on (else run eagerly),
+        and the scatter of their soft tokens runs eagerly.
         """
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
         if self.graphs is None:
             return self.model(input_ids, **inputs)
         mask = inputs.pop("attention_mask")
-        embeds = self.model.input_embeddings(input_ids, **inputs)
+        embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
         vectors = self.graphs(embeds, mask.bool())
         if vectors is None:  # no bucket holds it: a large batch, already GPU-bound
             vectors = self.model.encode(embeds, mask)

@@ -9,6 +9,7 @@ the token embedding, scaled by sqrt(H). Placeholders themselves embed as the pad
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,13 @@ from eg2_runtime.text import TextEncoder
 from eg2_runtime.vision import VisionTower
 
 ALL_MODALITIES = frozenset({"text", "image", "audio", "video"})
+
+
+class SoftTokens(Protocol):
+    """What computes media soft tokens: EG2Model itself, or eg2_runtime.tower_graphs.GraphedTowers."""
+
+    def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+    def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
 
 
 class MultimodalEmbedder(nn.Module):
@@ -95,15 +103,20 @@ class EG2Model(nn.Module):
         video_position_ids: torch.Tensor | None = None,
         input_features: torch.Tensor | None = None,
         input_features_mask: torch.Tensor | None = None,
+        *,
+        towers: SoftTokens | None = None,
     ) -> torch.Tensor:
         """(B, T, H): token embeddings with the media soft tokens scattered in, the text encoder's
         input. Argument names are the HF processor's. `input_ids` may stay on the host (the engine
-        keeps them there): counting placeholders then needs no device sync."""
+        keeps them there): counting placeholders then needs no device sync. `towers`: another way to
+        compute the soft tokens (the engine's CUDA graphs), the same functions by default."""
         cfg = self.config
+        image = towers.image_soft_tokens if towers is not None else self.image_soft_tokens
+        audio = towers.audio_soft_tokens if towers is not None else self.audio_soft_tokens
         media = {
-            cfg.image_token_id: (pixel_values, image_position_ids, self.image_soft_tokens),
-            cfg.video_token_id: (pixel_values_videos, video_position_ids, self.image_soft_tokens),
-            cfg.audio_token_id: (input_features, input_features_mask, self.audio_soft_tokens),
+            cfg.image_token_id: (pixel_values, image_position_ids, image),
+            cfg.video_token_id: (pixel_values_videos, video_position_ids, image),
+            cfg.audio_token_id: (input_features, input_features_mask, audio),
         }
         placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
         for token_id in media:
@@ -132,7 +145,8 @@ class EG2Model(nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None
     ) -> torch.Tensor:
         """Unit embeddings (B, D) in fp32: mean over every token with attention_mask 1, then L2."""
-        return self.encode(self.input_embeddings(input_ids, **media), attention_mask)
+        embeds = self.input_embeddings(input_ids, **media)  # type: ignore[arg-type]  # tensors only
+        return self.encode(embeds, attention_mask)
 
 
 def pool(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

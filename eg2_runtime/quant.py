@@ -14,7 +14,9 @@ layer into a reused scratch buffer on a side CUDA stream, one layer ahead, order
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -189,11 +191,34 @@ class Unpacker:
         n = layer.out_features * layer.in_features
         return self.scratch[slot][:n].view(layer.out_features, layer.in_features)
 
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Run the forward to capture in a CUDA graph inside this: the side stream's work joins the graph.
+
+        A capture may record only work forked from its own stream and joined back to it: so the
+        state of eager calls (a prefetch, the last `started` event) is dropped on entry, the first
+        unpack waits on the capture stream (see _unpack_async), and the prefetch the forward leaves
+        pending is joined on exit. The state is dropped again after: its events belong to the graph.
+        The graph keeps the scratch slots' addresses; replays and eager calls share one main stream,
+        and an eager call's first unpack waits for it, so neither overwrites a slot the other reads.
+        """
+        self.pending, self.started = None, None
+        try:
+            yield
+        finally:
+            if self.cuda and self.pending is not None:
+                torch.cuda.current_stream().wait_event(self.pending[1])
+            self.pending, self.started = None, None
+
     def _unpack_async(self, layer: PackedLinear, slot: int) -> torch.cuda.Event:
-        """Enqueue the unpack of `layer` into scratch[slot] on the side stream, after `started`."""
+        """Enqueue the unpack of `layer` into scratch[slot] on the side stream, after `started` (or,
+        with no layer started since a capture, after everything the main stream has queued)."""
+        main = torch.cuda.current_stream()
         with torch.cuda.stream(self.stream):
             if self.started is not None:
                 self.stream.wait_event(self.started)
+            else:
+                self.stream.wait_stream(main)
             view = self._view(layer, slot)
             if self.fast is not None:
                 try:

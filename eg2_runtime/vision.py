@@ -126,20 +126,29 @@ class VisionTower(nn.Module):
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, V) soft tokens of every image, in order."""
-        cfg = self.cfg
         padding = (positions == -1).all(dim=-1)  # (N, S)
+        # No mask when no image is padded: SDPA then takes its fastest kernel, as the reference does.
+        soft, used = self.slots(pixels, positions, padding, masked=bool(padding.any()))
+        return soft[used]
+
+    def slots(
+        self, pixels: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor, masked: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tower with static shapes and no host sync (what a CUDA graph captures): (N, M, V) soft
+        tokens of every pooling slot, and (N, M) bool of the slots an image uses; `forward` keeps
+        those. `masked`: hide padding patches as keys (needed whenever an image has any)."""
+        cfg = self.cfg
         x = self.patch_embedder(pixels, positions, padding)
         cos, sin = axial_rope(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        # No mask when no image is padded: SDPA then takes its fastest kernel, as the reference does.
-        mask = key_padding_mask(~padding) if bool(padding.any()) else None
+        mask = key_padding_mask(~padding) if masked else None
         for layer in self.encoder.layers:
             x = layer(x, cos, sin, mask)
-        pooled, valid = self.pool(x.masked_fill(padding[..., None], 0.0), positions)
+        pooled, used = self.pool(x.masked_fill(padding[..., None], 0.0), positions)
         # Scale by sqrt(V) in fp32: the magnitude would overflow fp16, and bf16 would lose bits.
-        soft = pooled[valid].float() * math.sqrt(cfg.hidden_size)  # (n_soft, V) fp32
+        soft = pooled.float() * math.sqrt(cfg.hidden_size)  # (N, M, V) fp32, elementwise from here
         if cfg.standardize:
             soft = (soft - self.std_bias.float()) * self.std_scale.float()
-        return soft.to(x.dtype)
+        return soft.to(x.dtype), used
 
     def pool(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Average k x k patch blocks: (N, S, V) -> (N, M, V) in x's dtype, (N, M) bool of used slots.

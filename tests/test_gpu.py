@@ -395,3 +395,44 @@ def test_host_token_table(full: dict[str, Path], results: Path | None) -> None:
     assert host_bytes / dense <= 0.40, (
         f"host-table weights {host_bytes / dense:.3f}x of BF16 (target <= 0.40x)"
     )
+
+
+def test_tower_graphs_match_eager_towers(full: dict[str, Path], results: Path | None) -> None:
+    """CUDA graphs over the vision and audio towers (tower_graphs.py) against the same engine with
+    eager towers, packed weights: media items at small batches, where the towers are launch-bound.
+
+    The graphs always mask padding keys, and pad items and frames up to buckets; that may change
+    which attention kernel runs, so the bound is on cosine (1e-5), as for the text graphs. Two
+    replays of one graph must agree exactly; the times are the point of the feature.
+    """
+    eager = _engine(full["w4"])
+    graphed = _engine(full["w4"], tower_graphs=True)
+    assert graphed.towers is not None
+    image = lambda i: Item((MediaPart("image", samples.png(640, 480, i)),))  # noqa: E731
+    cases = {
+        "1 image": [image(0)],
+        "3 images": [image(i) for i in range(3)],
+        "1 clip 9.3 s": [Item((MediaPart("audio", samples.wav(9.3)),))],
+        "1 clip 30 s": [Item((MediaPart("audio", samples.wav(30.0)),))],
+        "3 clips": [Item((MediaPart("audio", samples.wav(s)),)) for s in (9.3, 3.0, 1.0)],
+        "1 video 8 frames": [Item((MediaPart("video", samples.mp4(8)),))],
+        "image+text": _fast_path_items()["image+text"],
+    }
+    cos = lambda a, b: np.sum(a * b, axis=1)  # noqa: E731
+    figures: dict[str, Any] = {}
+    failures = []
+    for name, items in cases.items():
+        prepared = [eager.prepare(x, PrepareOptions()) for x in items]
+        a, b = eager.embed(prepared), graphed.embed(prepared)
+        assert np.array_equal(b, graphed.embed(prepared)), f"{name}: two replays of one graph differ"
+        figures[name] = {
+            "min_cosine": round(float(cos(a, b).min()), 7),
+            "eager_ms": _median_ms(lambda p=prepared: eager.embed(p)),  # type: ignore[misc]
+            "graphed_ms": _median_ms(lambda p=prepared: graphed.embed(p)),  # type: ignore[misc]
+        }
+        if figures[name]["min_cosine"] < 1 - 1e-5:
+            failures.append(f"{name}: tower graphs change the result")
+    figures["capture_seconds"] = round(graphed.towers.capture_seconds, 2)
+    figures["graphs"] = [list(k) for k in graphed.towers.graphs]
+    record(results, "gpu_tower_graphs", figures)
+    assert not failures, f"{failures}: {figures}"

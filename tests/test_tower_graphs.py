@@ -1,0 +1,98 @@
+"""The tower graphs' padding (tower_graphs.py) against the towers unpadded, on the CPU with the tiny
+FP32 checkpoint: the padded steps run eagerly here (`capture=False`); the capture itself needs a GPU.
+
+Each case pads the item count up the ladder and, for audio, the frame count too; the soft tokens of
+the real items must be those of the model's own functions, within float rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eg2_runtime.engine import Engine, EngineOptions
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.tools import samples
+from eg2_runtime.tower_graphs import GraphedTowers
+
+TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_fp32: Path) -> Engine:
+    return Engine.from_dir(tiny_fp32, device="cpu", options=EngineOptions(graph_max_tokens=0))
+
+
+def _inputs(engine: Engine, items: list[Item]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    prepared = engine.prepare_many(items, PrepareOptions())
+    return engine.device_batch([p.inputs for p in prepared])  # type: ignore[union-attr]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape, (got.shape, expected.shape)
+    err = (got - expected).abs().max().item()
+    assert err <= TOL, f"max abs diff {err:.2e} > {TOL}"
+
+
+@pytest.mark.parametrize(
+    "images",
+    [
+        [(64, 48)],  # one image: bucket 1, padding patches of its own (an aspect ratio off the grid)
+        [(64, 48), (48, 64), (96, 96)],  # 3 -> bucket 4: a fully padded image
+    ],
+)
+def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, int]]) -> None:
+    items = [Item((MediaPart("image", samples.png(w, h, i)),)) for i, (w, h) in enumerate(images)]
+    _, inputs = _inputs(engine, items)
+    towers = GraphedTowers(engine.model, capture=False)
+    pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
+    with torch.inference_mode():
+        expected = engine.model.image_soft_tokens(pixels, positions)
+        got = towers.image_soft_tokens(pixels, positions)
+        again = towers.image_soft_tokens(pixels, positions)  # static buffers reused
+    _close(got, expected)
+    assert torch.equal(got, again)
+    assert [key[:2] for key in towers.graphs] == [("image", 1 if len(images) == 1 else 4)]  # padded to a rung
+
+
+@pytest.mark.parametrize(
+    "seconds",
+    [
+        [1.0],  # one clip: frames padded up the ladder
+        [2.5, 0.4, 1.3],  # 3 clips of different lengths -> bucket 4, each padded to the longest rung
+    ],
+)
+def test_audio_buckets_equal_the_tower(engine: Engine, seconds: list[float]) -> None:
+    items = [Item((MediaPart("audio", samples.wav(s, hz=300 + 100 * i)),)) for i, s in enumerate(seconds)]
+    _, inputs = _inputs(engine, items)
+    towers = GraphedTowers(engine.model, capture=False)
+    features, mask = inputs["input_features"], inputs["input_features_mask"]
+    with torch.inference_mode():
+        expected = engine.model.audio_soft_tokens(features, mask)
+        got = towers.audio_soft_tokens(features, mask)
+        smaller = towers.audio_soft_tokens(features[:1, :50], mask[:1, :50])  # same bucket, shorter input
+        alone = engine.model.audio_soft_tokens(features[:1, :50], mask[:1, :50])
+    _close(got, expected)
+    _close(smaller, alone)  # a buffer left holding a longer input is re-padded, not read
+    (key,) = [k for k in towers.graphs if k[1] == (1 if len(seconds) == 1 else 4)]
+    assert key[2] > features.shape[1]  # frames padded up the ladder too
+
+
+def test_input_embeddings_through_the_towers(engine: Engine) -> None:
+    """Interleaved text, image, audio and video: the text encoder's input is the same either way."""
+    item = Item(
+        (
+            TextPart("a photo and a sound"),
+            MediaPart("image", samples.png(64, 48)),
+            MediaPart("audio", samples.wav(0.8)),
+            MediaPart("video", samples.mp4(2)),
+        )
+    )
+    ids, inputs = _inputs(engine, [item, Item((TextPart("only text"),))])
+    inputs.pop("attention_mask")
+    with torch.inference_mode():
+        expected = engine.model.input_embeddings(ids, **inputs)
+        got = engine.model.input_embeddings(ids, **inputs, towers=GraphedTowers(engine.model, capture=False))
+    _close(got, expected)
