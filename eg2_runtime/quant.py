@@ -206,9 +206,15 @@ class Unpacker:
         try:
             yield
         finally:
-            if self.cuda and self.pending is not None:
-                torch.cuda.current_stream().wait_event(self.pending[1])
-            self.pending, self.started = None, None
+            self.join()
+
+    def join(self) -> None:
+        """Make the current stream wait for the side stream's work in flight (the prefetch an eager
+        forward leaves behind), and forget it: call before a captured graph replays, since its own
+        unpacks write the same scratch slots."""
+        if self.cuda and self.pending is not None:
+            torch.cuda.current_stream().wait_event(self.pending[1])
+        self.pending, self.started = None, None
 
     def _unpack_async(self, layer: PackedLinear, slot: int) -> torch.cuda.Event:
         """Enqueue the unpack of `layer` into scratch[slot] on the side stream, after `started` (or,

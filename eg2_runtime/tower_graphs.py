@@ -136,6 +136,8 @@ class GraphedTowers:
         if captured.graph is None:
             soft, used = step(*captured.inputs)
         else:
+            if (unpacker := getattr(self.model, "unpacker", None)) is not None:
+                unpacker.join()  # an eager forward's prefetch may still be writing a scratch slot
             captured.graph.replay()
             assert captured.outputs is not None
             soft, used = captured.outputs
@@ -162,6 +164,8 @@ class GraphedTowers:
         with torch.cuda.stream(side):
             step(*inputs)
         torch.cuda.current_stream(device).wait_stream(side)
+        if unpacker is not None:
+            unpacker.join()  # the warm-up's prefetch, outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             if unpacker is not None:

@@ -162,6 +162,7 @@ class VisionTower(nn.Module):
         pos = positions.clamp(min=0)
         width = pos[..., 0].amax(dim=-1, keepdim=True) + 1  # (N, 1) patches per row
         slot = pos[..., 0] // k + (width // k) * (pos[..., 1] // k)  # (N, S)
-        weights = F.one_hot(slot, m).float() / (k * k)  # (N, S, M)
+        # A one-hot by comparison: F.one_hot may check its indices on the host (a sync no CUDA graph allows).
+        weights = (slot[..., None] == torch.arange(m, device=slot.device)).float() / (k * k)  # (N, S, M)
         pooled = weights.transpose(1, 2) @ x.float()  # (N, M, V)
         return pooled.to(x.dtype), (weights != 0).any(dim=1)
