@@ -19,10 +19,13 @@ one set of input buffers; replays never overlap, and each result is copied out b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,6 +50,36 @@ LENGTH_LADDER = (
 # all 125 buckets grew the reserved memory by 1.3 GB on the H200. Longer inputs run eagerly, where
 # the GPU work dwarfs the launches.
 MAX_SCORES = 1 << 24
+
+
+def rung(ladder: Sequence[int], n: int) -> int | None:
+    """The smallest rung of `ladder` that holds n, or None past its top."""
+    return next((r for r in ladder if r >= n), None)
+
+
+def capture_graph(
+    step: Callable[..., Any],
+    inputs: Sequence[torch.Tensor],
+    pool: Any,
+    around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture `step(*inputs)` into a CUDA graph drawing on `pool`: (the graph, its static output).
+
+    It runs once on a side stream first, as torch.cuda.graphs advises: kernel choice, cuBLAS
+    workspaces, Triton compiles and lazy inits happen outside the capture. `around` wraps the
+    captured call (the Unpacker's capture mode); torch.cuda.graph synchronizes the device before it
+    begins, so nothing the warm-up left in flight reaches into the capture.
+    """
+    device = inputs[0].device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step(*inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), around():
+        out = step(*inputs)
+    return graph, out
 
 
 @dataclass
@@ -78,8 +111,7 @@ class GraphedTextEncoder:
 
     def bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         """The smallest (Bb, Tb) that holds a (batch, length) input, or None if there is none."""
-        bb = next((b for b in BATCH_LADDER if b >= batch), None)
-        tb = next((t for t in LENGTH_LADDER if t >= length), None)
+        bb, tb = rung(BATCH_LADDER, batch), rung(LENGTH_LADDER, length)
         if bb is None or tb is None or bb * tb > self.max_tokens or bb * tb * tb > MAX_SCORES:
             return None
         return bb, tb
@@ -131,17 +163,7 @@ class GraphedTextEncoder:
             self.graphs[key] = _Captured(None, None)
             return self.graphs[key]
         t0 = time.perf_counter()
-        x, v = self._inputs(key)
-        # Warm up on a side stream first, as torch.cuda.graphs advises: kernel choice, cuBLAS
-        # workspaces and lazy inits happen outside the capture.
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(side):
-            self._step(x, v)
-        torch.cuda.current_stream(x.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._step(x, v)
+        graph, out = capture_graph(self._step, self._inputs(key), self.pool)
         self.graphs[key] = _Captured(graph, out)
         self.capture_seconds += time.perf_counter() - t0
         log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))

@@ -27,6 +27,7 @@ text graphs' one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -34,11 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
+from eg2_runtime.graphs import BATCH_LADDER as ITEM_LADDER
+from eg2_runtime.graphs import capture_graph, rung
 from eg2_runtime.model import EG2Model
 
 log = logging.getLogger(__name__)
 
-ITEM_LADDER = (1, 2, 4, 8, 16, 32, 64)
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
 # Bounds, to tune on the H200: the graph pool keeps its largest bucket's activations for good.
 MAX_MASK_BYTES = 1 << 26  # vision: Nb * S^2 bool mask bytes (S = 2,520 at 280 tokens: Nb <= 8)
@@ -64,6 +66,7 @@ class GraphedTowers:
         self.model = model
         device = model.language_model.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
+        self.unpacker = getattr(model, "unpacker", None)  # on packed towers: their hooks join the graphs
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple[str, int, int], _Captured] = {}
         self.capture_seconds = 0.0
@@ -73,7 +76,7 @@ class GraphedTowers:
     def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, H), images in order."""
         n, s, _ = pixels.shape
-        nb = next((b for b in ITEM_LADDER if b >= n), None)
+        nb = rung(ITEM_LADDER, n)
         if nb is None or nb * s * s > MAX_MASK_BYTES:
             return self.model.image_soft_tokens(pixels, positions)
 
@@ -89,8 +92,7 @@ class GraphedTowers:
     def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, F, bins) log-mel, (B, F) mask -> (n_soft, H): each clip's valid steps, clips in order."""
         b, f, _ = features.shape
-        bb = next((x for x in ITEM_LADDER if x >= b), None)
-        fb = next((x for x in FRAME_LADDER if x >= f), None)
+        bb, fb = rung(ITEM_LADDER, b), rung(FRAME_LADDER, f)
         if bb is None or fb is None or bb * fb > MAX_AUDIO_FRAMES:
             return self.model.audio_soft_tokens(features, mask)
         dtype = self.model.dtype
@@ -136,8 +138,8 @@ class GraphedTowers:
         if captured.graph is None:
             soft, used = step(*captured.inputs)
         else:
-            if (unpacker := getattr(self.model, "unpacker", None)) is not None:
-                unpacker.join()  # an eager forward's prefetch may still be writing a scratch slot
+            if self.unpacker is not None:
+                self.unpacker.join()  # an eager forward's prefetch may still be writing a scratch slot
             captured.graph.replay()
             assert captured.outputs is not None
             soft, used = captured.outputs
@@ -156,23 +158,8 @@ class GraphedTowers:
             self.graphs[key] = _Captured(None, inputs, fills, None)
             return self.graphs[key]
         t0 = time.perf_counter()
-        unpacker = getattr(self.model, "unpacker", None)
-        device = inputs[0].device
-        # Warm up on a side stream first (kernel choice, cuBLAS workspaces, Triton compiles).
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            step(*inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
-        if unpacker is not None:
-            unpacker.join()  # the warm-up's prefetch, outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            if unpacker is not None:
-                with unpacker.capturing():
-                    outputs = step(*inputs)
-            else:
-                outputs = step(*inputs)
+        around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
+        graph, outputs = capture_graph(step, inputs, self.pool, around)
         self.graphs[key] = _Captured(graph, inputs, fills, outputs)
         self.capture_seconds += time.perf_counter() - t0
         log.info("captured %s tower graph %s in %.0f ms", key[0], key[1:], 1e3 * (time.perf_counter() - t0))

@@ -30,6 +30,12 @@ def _inputs(engine: Engine, items: list[Item]) -> tuple[torch.Tensor, dict[str, 
     return engine.device_batch([p.inputs for p in prepared])  # type: ignore[union-attr]
 
 
+def _towers_and(engine: Engine, items: list[Item], *keys: str) -> tuple[GraphedTowers, list[torch.Tensor]]:
+    """Fresh tower graphs run eagerly, and the items' collated model inputs named `keys`."""
+    _, inputs = _inputs(engine, items)
+    return GraphedTowers(engine.model, capture=False), [inputs[k] for k in keys]
+
+
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.shape == expected.shape, (got.shape, expected.shape)
     err = (got - expected).abs().max().item()
@@ -45,9 +51,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
 )
 def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, int]]) -> None:
     items = [Item((MediaPart("image", samples.png(w, h, i)),)) for i, (w, h) in enumerate(images)]
-    _, inputs = _inputs(engine, items)
-    towers = GraphedTowers(engine.model, capture=False)
-    pixels, positions = inputs["pixel_values"], inputs["image_position_ids"]
+    towers, (pixels, positions) = _towers_and(engine, items, "pixel_values", "image_position_ids")
     with torch.inference_mode():
         expected = engine.model.image_soft_tokens(pixels, positions)
         got = towers.image_soft_tokens(pixels, positions)
@@ -66,9 +70,7 @@ def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, i
 )
 def test_audio_buckets_equal_the_tower(engine: Engine, seconds: list[float]) -> None:
     items = [Item((MediaPart("audio", samples.wav(s, hz=300 + 100 * i)),)) for i, s in enumerate(seconds)]
-    _, inputs = _inputs(engine, items)
-    towers = GraphedTowers(engine.model, capture=False)
-    features, mask = inputs["input_features"], inputs["input_features_mask"]
+    towers, (features, mask) = _towers_and(engine, items, "input_features", "input_features_mask")
     with torch.inference_mode():
         expected = engine.model.audio_soft_tokens(features, mask)
         got = towers.audio_soft_tokens(features, mask)
