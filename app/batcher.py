@@ -389,7 +389,7 @@ class Batcher:
         self, request: _Request, indices: list[int], modality: str, prep: asyncio.Future[list[Any]]
     ) -> None:
         self._preparing[modality] -= len(indices)  # done, failed or cancelled: no longer on the way
-        self._wakeup.set()  # the scheduler may have been waiting for these
+        self._wakeup.set()  # the scheduler may be waiting for these, or now has them queued
         if prep.cancelled():
             return
         if (exc := prep.exception()) is not None:
@@ -407,7 +407,6 @@ class Batcher:
             self._queues.setdefault(item.modality, _Queue()).append(work)
         for modality in {item.modality for item in results}:
             self._metrics.queue_depth.labels(modality).set(len(self._queues[modality]))
-        self._wakeup.set()
 
     def _retry_after(self) -> int:
         rate = max(self._items_per_s, 1.0)

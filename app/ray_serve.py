@@ -70,8 +70,9 @@ REPLICA_HEADER = "x-replica-id"
 INGRESSES = ("proxy", "haproxy")
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
-# Ray Serve logs every request in its proxy and in each replica, and ships each line to the driver:
-# at ~300 requests/s that made the proxy the bottleneck. The app keeps its own logs and metrics.
+# Ray Serve logs every request in its proxy and in each replica, and ships each line to the driver;
+# the app keeps its own logs and metrics. Turning them off did not raise the proxy's ~300 requests/s
+# on the H200 host (docs/results/2026-11-30-h200x2/), but spares the driver a line per request.
 SERVE_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 

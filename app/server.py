@@ -79,7 +79,7 @@ MMAP_THRESHOLD_BYTES = 16 << 20
 MALLOC_ARENAS = 2
 
 
-def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Keep glibc from raising its mmap threshold as large tensors are freed, and bound its arenas
     (MALLOC_ARENAS); False where not glibc.
 
@@ -100,7 +100,7 @@ def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 def serve(settings: Settings, engine: EngineLike | None = None) -> int:
     """Run until drained or failed; the process exit code."""
-    pin_mmap_threshold()
+    tune_malloc()
     server = build_server(settings, engine)
     server.run()
     if not server.started:
