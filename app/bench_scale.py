@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ def inprocess(model: Path, seconds: float) -> dict[str, Any]:
     return {"items_per_s": n * 32 / (time.perf_counter() - start), "batch": 32}
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -101,8 +102,26 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
-    raise TimeoutError("server not ready")
+        time.sleep(0.5)
+    raise TimeoutError(f"server not ready after {timeout:g} s")
+
+
+@contextlib.contextmanager
+def running(
+    cmd: list[str], env: dict[str, str], url: str, ready_timeout: float = 300, stdout: int | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A server command in a session of its own, from ready (its /ready says 200) to stopped:
+    SIGTERM (it drains and, under Ray, shuts its cluster down), then whatever it left is killed."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=stdout)
+    try:
+        _wait_ready(url, proc, ready_timeout)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=90)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its session
 
 
 def server_phase(
@@ -110,21 +129,13 @@ def server_phase(
 ) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        _wait_ready(url, proc)
+    with running(cmd, env, url):
         out: dict[str, Any] = {"ready_s": time.monotonic() - t0}
         for name, (items, concurrency) in LOADS.items():
             out[name] = load(pool, url, items, concurrency, seconds)
             print(f"  {name}: {out[name]['items_per_s']:.0f} items/s, p99 {out[name]['p99_ms']} ms, "
                   f"replicas {out[name]['by_replica']}", flush=True)  # fmt: skip
         return out
-    finally:
-        proc.send_signal(signal.SIGTERM)  # the server drains and, under Ray, shuts its cluster down
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=90)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its session
 
 
 def main() -> int:

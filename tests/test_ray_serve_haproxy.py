@@ -8,13 +8,10 @@ session is killed. Its module starts after test_ray_serve.py's cluster is gone (
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +21,11 @@ import pytest
 from load import free_port
 from ray_cluster import kill_one_under_load, replicas_seen, vectors_by_replica
 
+from app.bench_scale import running
+
 pytestmark = pytest.mark.slow
+# What a client gets from HAProxy itself under Ray: its errorfile for 502, 503 and 504.
+HAPROXY_ERROR = (500, "Internal Server Error")
 
 
 @pytest.fixture(scope="module")
@@ -38,23 +39,8 @@ def haproxy_cluster(tiny_bf16: Path) -> Iterator[str]:
     cmd = [sys.executable, "-m", "app.cli", "serve-ray", "--ingress", "haproxy", "--replicas", "2",
            "--cpus-per-replica", "0.5", "--model", str(tiny_bf16), "--host", "127.0.0.1", "--port", str(port),
            "--preprocess-workers", "1", "--drain-deadline-s", "2", "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, f"eg2 serve-ray exited with {proc.returncode}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "eg2 serve-ray --ingress haproxy not ready after 240 s"
-            time.sleep(0.5)
+    with running(cmd, env, base, ready_timeout=240, stdout=subprocess.DEVNULL):
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_haproxy_spreads_requests_and_vectors_match(haproxy_cluster: str) -> None:
@@ -72,16 +58,16 @@ def test_haproxy_killed_replica_loses_at_most_the_requests_in_flight(haproxy_clu
     clients = 4
     k = kill_one_under_load(haproxy_cluster, clients)
     assert k.new_ids, f"no replacement replica answered within 120 s; statuses {k.statuses}"
-    # What docs/SCALING.md documents for this ingress: HAProxy retries a request whose replica died
-    # before answering, so at most the requests in flight on it fail (one per client), as a 503 in
-    # the API's shape or HAProxy's own 502/503. HAProxy reloads each time the replica set changes
-    # (the dead one removed, the replacement added), and each reload may close a client's idle
-    # keep-alive connection under the request it just sent: at most one per client per reload.
-    # Never a 500, nothing else failing.
-    assert set(k.statuses) <= {200, 502, 503}, k.failed
+    # What docs/SCALING.md documents for this ingress: HAProxy retries a request whose replica could
+    # not be reached, so at most the requests in flight on the killed one fail (one per client).
+    # HAProxy answers those with its own 502, which Ray's HAProxy config rewrites into one fixed
+    # text/plain 500 (its errorfile for 502/503/504; 2 kills in 5 local runs hit it); the app's own
+    # failures would be its JSON 503. HAProxy reloads each time the replica set changes (the dead one
+    # removed, the replacement added), and each reload may close a client's idle keep-alive
+    # connection under the request it just sent: at most one per client per reload.
     assert len(k.failed) <= clients and len(k.dropped) <= 2 * clients, (k.failed, k.dropped)
     for _, status, text in k.failed:
-        if status == 503 and text.startswith("{"):
-            assert json.loads(text)["error"]["type"] == "unavailable"
+        if (status, text) != HAPROXY_ERROR:
+            assert status == 503 and json.loads(text)["error"]["type"] == "unavailable", (status, text)
     assert k.after[k.survivor] > 0 and sum(k.after[i] for i in k.new_ids) > 0
     print(f"replacement routed after {k.recovered_s:.1f} s; {k.statuses}; dropped {k.dropped}")
