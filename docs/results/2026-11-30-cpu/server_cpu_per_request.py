@@ -1,7 +1,9 @@
 """The service's own CPU time per request: `eg2`'s app under uvicorn with tests/fake_engine.py's
 engine (so no model time), driven from another process; server CPU seconds / requests.
 
-    python docs/results/2026-11-30-cpu/server_cpu_per_request.py    (from the repository root)
+    python docs/results/2026-11-30-cpu/server_cpu_per_request.py [LOOP HTTP]   (from the repository root)
+
+LOOP HTTP (e.g. `asyncio h11`) override the event loop and HTTP parser app/server.py pins.
 """
 
 import asyncio
@@ -18,6 +20,10 @@ import sys; sys.path.insert(0, ".")
 from app.settings import Settings
 from app.server import serve
 from tests.fake_engine import FakeEngine
+if len(sys.argv) > 2:
+    import uvicorn
+    Config = uvicorn.Config
+    uvicorn.Config = lambda app, **kw: Config(app, **{**kw, "loop": sys.argv[2], "http": sys.argv[3]})
 serve(Settings(port=int(sys.argv[1]), log_level="warning", model=None), FakeEngine())
 """
 BODY = json.dumps({"model": "eg2", "input": "what is the capital of france", "encoding_format": "base64"}).encode()
@@ -41,7 +47,7 @@ async def send(url: str, count: int, concurrency: int) -> None:
 
 
 for port, concurrency, count in ((8950, 1, 2000), (8951, 32, 3000)):
-    server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(port), *sys.argv[1:3]])
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:
