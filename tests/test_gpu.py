@@ -436,3 +436,46 @@ def test_tower_graphs_match_eager_towers(full: dict[str, Path], results: Path | 
     figures["graphs"] = [list(k) for k in graphed.towers.graphs]
     record(results, "gpu_tower_graphs", figures)
     assert not failures, f"{failures}: {figures}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiny_graph_captures_match_eager(tiny_w4: Path, results: Path | None, dtype: torch.dtype) -> None:
+    """The capture mechanics of both graph kinds on the tiny checkpoint (seconds, not minutes):
+    graphs.capture_graph for the text buckets and tower_graphs.py for the packed towers, with the
+    Unpacker's side stream, against the same engine run eagerly.
+
+    FP32 isolates the mechanics (a wrong static buffer, a missed join or a stale scratch slot moves
+    a vector far more than 1e-5); BF16 is the served dtype, where padding may pick another kernel.
+    """
+    eager = _engine(tiny_w4, dtype=dtype, graph_max_tokens=0)
+    graphed = _engine(tiny_w4, dtype=dtype, tower_graphs=True)
+    assert graphed.graphs is not None and graphed.towers is not None
+    image = lambda i: Item((MediaPart("image", samples.png(640, 480, i)),))  # noqa: E731
+    cases = {
+        **{k: v for k, v in _fast_path_items().items() if k != "1 long"},
+        "3 images": [image(i) for i in range(3)],
+        "3 clips": [Item((MediaPart("audio", samples.wav(s)),)) for s in (9.3, 3.0, 1.0)],
+        "1 clip 30 s": [Item((MediaPart("audio", samples.wav(30.0)),))],
+    }
+    cos = lambda a, b: np.sum(a * b, axis=1)  # noqa: E731
+    figures: dict[str, Any] = {}
+    for name, items in cases.items():
+        prepared = [eager.prepare(x, PrepareOptions()) for x in items]
+        a, b = eager.embed(prepared), graphed.embed(prepared)
+        again = graphed.embed(prepared)
+        figures[name] = {
+            "min_cosine": round(float(cos(a, b).min()), 7),
+            "replays_equal": bool(np.array_equal(b, again)),
+        }
+    figures["tower_graphs"] = sorted(str(k) for k in graphed.towers.graphs)
+    record(results, f"gpu_tiny_graphs_{str(dtype).removeprefix('torch.')}", figures)
+    bound = 1e-5 if dtype == torch.float32 else 1e-3
+    bad = {
+        k: v
+        for k, v in figures.items()
+        if isinstance(v, dict) and (v["min_cosine"] < 1 - bound or not v["replays_equal"])
+    }
+    assert not bad, f"graphs change the result: {bad}"
+    assert any("image" in k for k in figures["tower_graphs"]) and any(
+        "audio" in k for k in figures["tower_graphs"]
+    )
