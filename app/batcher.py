@@ -2,7 +2,8 @@
 
     embed(items) ── admission (items in flight <= limit, else 429 at once)
        └─► preprocess pool: N threads run engine.prepare_many, overlapping with the GPU (a request's
-             text in one job, each of its media items in a job of its own)
+             text in one job, each of its media items in a job of its own); a request's short text
+             is tokenized on the event loop instead, where the thread hop would cost more
              └─► per-modality queues of prepared items
                    └─► scheduler (event loop): pick the modality with the oldest item; while items
                        of that modality are still in preprocessing, wait for them (max_queue_delay
@@ -39,7 +40,7 @@ from app.errors import Overloaded, Unavailable
 from app.metrics import Metrics
 from eg2_runtime.engine import PreparedItem
 from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory
-from eg2_runtime.inputs import Item, PrepareOptions
+from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
 log = logging.getLogger("eg2.batcher")
 T = TypeVar("T")
@@ -131,6 +132,21 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _run_here(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """fn(*args) now, on the event loop's thread, settled into a future as a Threads job would be."""
+    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+    try:
+        result, error = fn(*args), None
+    except Exception as exc:
+        result, error = None, exc
+    _settle(future, result, error)
+    return future
+
+
+def _text_chars(items: Sequence[Item]) -> int:
+    return sum(len(part.text) for item in items for part in item.parts if isinstance(part, TextPart))
 
 
 def _prepare_groups(items: Sequence[Item]) -> list[list[int]]:
@@ -243,6 +259,7 @@ class Batcher:
         max_queued_items: int,
         preprocess_workers: int,
         stall_timeout_s: float,
+        inline_text_chars: int,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -251,6 +268,7 @@ class Batcher:
         self._delay_s = max_queue_delay_s
         self._limit = max_queued_items
         self._stall_timeout_s = stall_timeout_s
+        self._inline_chars = inline_text_chars  # a request's text up to this size skips the pool
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare")
         self._gpu = Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
@@ -358,7 +376,11 @@ class Batcher:
             for group in _prepare_groups(items):
                 modality = items[group[0]].modality  # a group is one modality (text, or one media item)
                 self._preparing[modality] += len(group)
-                prep = self._prep.submit(self._prepare, [items[i] for i in group], options)
+                job = [items[i] for i in group]
+                if modality == "text" and _text_chars(job) <= self._inline_chars:
+                    prep = _run_here(self._prepare, job, options)  # a hop costs more than tokenizing
+                else:
+                    prep = self._prep.submit(self._prepare, job, options)
                 prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
                 request.prep_futures.append(prep)
             await request.future

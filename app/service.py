@@ -171,6 +171,7 @@ class Service:
                 max_queued_items=s.max_queued_items,
                 preprocess_workers=s.preprocess_workers,
                 stall_timeout_s=s.stall_timeout_s,
+                inline_text_chars=s.inline_prepare_chars,
             )
             self._batcher.start()
             await self._batcher.warmup()

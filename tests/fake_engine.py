@@ -91,6 +91,7 @@ class FakeEngine:
         self.embed_threads: set[int] = set()
         self.prepare_calls = 0
         self.prepare_jobs: list[list[str]] = []  # modality of each item, per prepare_many call
+        self.prepare_threads: list[int] = []  # the thread of each prepare_many call
         self.warmups = 0
 
     # --- switches ------------------------------------------------------------------------------
@@ -161,6 +162,7 @@ class FakeEngine:
         """As Engine.prepare_many: an input error in its item's slot; a bug raises."""
         with self._lock:
             self.prepare_jobs.append([item.modality for item in items])
+            self.prepare_threads.append(threading.get_ident())
         out: list[PreparedItem | EG2Error] = []
         for item in items:
             try:

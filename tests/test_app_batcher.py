@@ -47,6 +47,7 @@ def run(
         "max_queued_items": 1000,
         "preprocess_workers": 2,
         "stall_timeout_s": 60,
+        "inline_text_chars": 0,
     }
     args.update(kw)
 
@@ -191,6 +192,25 @@ def test_a_requests_text_is_prepared_in_one_call_and_each_media_item_alone() -> 
     np.testing.assert_array_equal(result.vectors, np.stack(expected))  # rows back in request order
 
 
+def test_a_requests_short_text_is_tokenized_on_the_event_loop() -> None:
+    """Up to inline_text_chars (a request's text items together) there is no thread hop; longer text
+    and media go to the pool, and the rows are the same either way."""
+    engine = FakeEngine()
+    image = Item((MediaPart("image", b"png bytes"),))
+    requests = [items("ab", "cd"), items("abc", "def"), [*items("e"), image]]
+
+    async def body(b: Batcher) -> tuple[int, list[Embedded]]:
+        return threading.get_ident(), [await b.embed(r, OPTS) for r in requests]
+
+    loop_thread, results = run(engine, body, inline_text_chars=5)
+    on_loop = [thread == loop_thread for thread in engine.prepare_threads]
+    jobs = list(zip(engine.prepare_jobs, on_loop, strict=True))
+    assert jobs[:2] == [(["text", "text"], True), (["text", "text"], False)]  # 4 chars, then 6
+    assert sorted(jobs[2:]) == [(["image"], False), (["text"], True)]
+    for request, result in zip(requests, results, strict=True):
+        np.testing.assert_array_equal(result.vectors, np.stack([FakeEngine.expected(x) for x in request]))
+
+
 # --- faults ----------------------------------------------------------------------------------------
 
 
@@ -227,8 +247,9 @@ def test_single_item_oom_fails_only_that_request_with_503() -> None:
     check_rows(fine, ["small"])
 
 
+@pytest.mark.parametrize("inline", [0, 10_000], ids=["pool", "inline"])
 @pytest.mark.parametrize("marker", [FORWARD_BUG, PREPARE_BUG])
-def test_one_bad_item_fails_only_its_request(marker: str) -> None:
+def test_one_bad_item_fails_only_its_request(marker: str, inline: int) -> None:
     engine = FakeEngine()
     good = [[f"a{i}", f"b{i}"] for i in range(5)]
 
@@ -243,7 +264,7 @@ def test_one_bad_item_fails_only_its_request(marker: str) -> None:
         engine.release()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
-    results = run(engine, body, max_batch_items=16)
+    results = run(engine, body, max_batch_items=16, inline_text_chars=inline)
     bad = results.pop(2)
     assert isinstance(bad, RuntimeError) and classify(bad) is None  # a bug: 500 for that request only
     for texts, result in zip(good, results, strict=True):
