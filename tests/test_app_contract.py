@@ -35,6 +35,7 @@ from fake_engine import (
     video_part,
 )
 
+from app.schemas import encode_embeddings
 from eg2_runtime.engine import matryoshka
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 
@@ -179,6 +180,25 @@ def test_base64_is_little_endian_float32(client: httpx.Client, ref_engine: Any) 
     np.testing.assert_allclose(
         np.frombuffer(raw, dtype="<f4"), reference(ref_engine, [as_item("bytes")])[0][0], atol=ATOL
     )
+
+
+def test_float_rows_read_back_as_the_exact_float32_values() -> None:
+    """JSON floats are the shortest decimals of the float32 values: parsed as float32, bit-identical,
+    awkward values included; a non-finite value is a bug (500), never written as a null."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((3, 768)).astype(np.float32)
+    rows[0, :6] = [0.0, -0.0, 1.0, -1.0, np.float32(1e-45), np.finfo(np.float32).max]
+    for encoding in ("float", "base64"):
+        body = json.loads(encode_embeddings(rows, encoding_format=encoding, model="m", num_tokens=7))
+        assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["usage"]["total_tokens"] == 7
+        got = [
+            np.frombuffer(base64.b64decode(d["embedding"]), "<f4") if encoding == "base64" else d["embedding"]
+            for d in body["data"]
+        ]
+        assert np.asarray(got, dtype=np.float32).tobytes() == rows.tobytes()
+    rows[1, 5] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        encode_embeddings(rows, encoding_format="float", model="m", num_tokens=7)
 
 
 def test_order_and_usage_of_many_items(client: httpx.Client, ref_engine: Any) -> None:
