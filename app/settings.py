@@ -131,7 +131,7 @@ class Settings(BaseSettings):
         ge=0,
         description="A request whose text (all its text items together) has at most this many characters is "
         "tokenized on the event loop instead of a preprocessing thread: for a short query the hand-off costs "
-        "more than the tokenizer call (dev machine: ~0.09 ms of server CPU per request, against 12-68 us to "
+        "more than the tokenizer call (dev machine: ~0.08 ms of server CPU per request, against 12-68 us to "
         "tokenize 30-500 characters). Larger: more requests skip the hop, but each stalls the event loop while "
         "it tokenizes; 0 sends all text to the threads.",
     )
