@@ -377,7 +377,7 @@ class Batcher:
                 modality = items[group[0]].modality  # a group is one modality (text, or one media item)
                 self._preparing[modality] += len(group)
                 job = [items[i] for i in group]
-                if modality == "text" and _text_chars(job) <= self._inline_chars:
+                if modality == "text" and self._inline_chars and _text_chars(job) <= self._inline_chars:
                     prep = _run_here(self._prepare, job, options)  # a hop costs more than tokenizing
                 else:
                     prep = self._prep.submit(self._prepare, job, options)
