@@ -4,6 +4,7 @@ clear reason. Signal tests run the server in a subprocess (tests/fake_engine.py 
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import signal
 import subprocess
@@ -42,6 +43,20 @@ def test_ready_is_503_until_warmup_completes() -> None:
         assert c.get("/ready").status_code == 200
         assert engine.warmups == 1
         assert c.post("/v1/embeddings", json={"input": "now"}).status_code == 200
+
+
+def test_the_startup_heap_is_frozen_once_ready_and_thawed_at_stop() -> None:
+    """After warm-up everything alive leaves the collector's scans (freeze_startup_heap); a stopped
+    service gives it back, so a process that starts many services (this one) still collects them."""
+    engine = FakeEngine()
+    engine.warmup_gate.clear()
+    with live(make_settings(), engine, wait_ready=False) as s:
+        time.sleep(0.05)
+        assert gc.get_freeze_count() == 0  # loading: nothing frozen yet
+        engine.warmup_gate.set()
+        s.wait_state(State.READY)
+        assert gc.get_freeze_count() > 10_000  # the modules, the app, the engine
+    assert gc.get_freeze_count() == 0
 
 
 def test_warmup_runs_a_full_batch_per_modality() -> None:
