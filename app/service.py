@@ -3,6 +3,9 @@
     loading ──► ready ──► draining ──► (exit 0)
        └──► failed (exit 1): checkpoint missing or corrupt, warm-up out of memory, demo cache unwritable
 
+On the way to ready, once warm, the startup heap is frozen out of the garbage collector's scans
+(freeze_startup_heap); stop() gives it back.
+
 Loading runs in the background once the server listens, so /ready can answer 503 meanwhile. The
 server (app/server.py) polls `should_exit` and uses `exit_code`; a signal starts `begin_drain`.
 """
@@ -151,6 +154,7 @@ class Service:
         self._batcher: Batcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._frozen = False  # this service froze the startup heap (freeze_startup_heap)
 
     @property
     def engine(self) -> EngineLike:
@@ -190,7 +194,7 @@ class Service:
                 max_queued_items=s.max_queued_items,
                 preprocess_workers=s.preprocess_workers,
                 stall_timeout_s=s.stall_timeout_s,
-                inline_text_chars=s.inline_prepare_chars,
+                inline_prepare_chars=s.inline_prepare_chars,
             )
             self._batcher.start()
             await self._batcher.warmup()
@@ -205,10 +209,9 @@ class Service:
             self._fail(f"{type(exc).__name__}: {exc}")
             return
         if self.state is State.LOADING:
-            log.info(
-                "startup heap frozen",
-                extra={"seconds": freeze_startup_heap(), "objects": gc.get_freeze_count()},
-            )
+            seconds = freeze_startup_heap()
+            self._frozen = True
+            log.info("startup heap frozen", extra={"seconds": seconds, "objects": gc.get_freeze_count()})
             self.state = State.READY
             self.metrics.ready.set(1)
             log.info("ready", extra={"modalities": sorted(self._engine.modalities), "demo": self.demo})
@@ -259,9 +262,13 @@ class Service:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._batcher is not None:
-            await self._batcher.close()
-        gc.unfreeze()  # back into the oldest generation: collectable again
+        try:
+            if self._batcher is not None:
+                await self._batcher.close()
+        finally:
+            if self._frozen:  # back into the oldest generation: collectable again
+                gc.unfreeze()
+                self._frozen = False
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

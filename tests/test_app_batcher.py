@@ -17,7 +17,7 @@ import pytest
 from fake_engine import FORWARD_BUG, PREPARE_BUG, FakeEngine, assert_error, live, make_settings
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.batcher import Batcher, Embedded
+from app.batcher import INLINE_MAX_ITEMS, Batcher, Embedded
 from app.errors import Overloaded, classify
 from app.metrics import Metrics
 from eg2_runtime.errors import EngineOutOfMemory
@@ -47,7 +47,7 @@ def run(
         "max_queued_items": 1000,
         "preprocess_workers": 2,
         "stall_timeout_s": 60,
-        "inline_text_chars": 0,
+        "inline_prepare_chars": 0,
     }
     args.update(kw)
 
@@ -55,7 +55,10 @@ def run(
         batcher = Batcher(engine, Metrics(), **args)
         batcher.start()
         try:
-            return await asyncio.wait_for(body(batcher), timeout)
+            result = await asyncio.wait_for(body(batcher), timeout)
+            # Whatever happened to the requests, nothing is left counted as admitted or in preprocessing.
+            await until(lambda: batcher.admitted == 0 and not +batcher._preparing)
+            return result
         finally:
             engine.release()
             await batcher.close()
@@ -193,22 +196,35 @@ def test_a_requests_text_is_prepared_in_one_call_and_each_media_item_alone() -> 
 
 
 def test_a_requests_short_text_is_tokenized_on_the_event_loop() -> None:
-    """Up to inline_text_chars (a request's text items together) there is no thread hop; longer text
+    """Up to inline_prepare_chars (a request's text items together) there is no thread hop; longer text
     and media go to the pool, and the rows are the same either way."""
     engine = FakeEngine()
     image = Item((MediaPart("image", b"png bytes"),))
-    requests = [items("ab", "cd"), items("abc", "def"), [*items("e"), image]]
+    prompted = PrepareOptions(prompt="p")  # the prompt counts once per item: 2 x (1 + 2) = 6
+    requests = [
+        (items("ab", "cde"), OPTS),  # 5 characters: inline
+        (items("abc", "def"), OPTS),  # 6: the pool
+        (items("ab", "cd"), prompted),  # 6 with the prompt: the pool
+        (items(*[""] * (INLINE_MAX_ITEMS + 1)), OPTS),  # no characters, too many items: the pool
+        ([*items("e"), image], OPTS),  # the text inline, the image on the pool
+    ]
 
     async def body(b: Batcher) -> tuple[int, list[Embedded]]:
-        return threading.get_ident(), [await b.embed(r, OPTS) for r in requests]
+        return threading.get_ident(), [await b.embed(r, o) for r, o in requests]
 
-    loop_thread, results = run(engine, body, inline_text_chars=5)
+    loop_thread, results = run(engine, body, inline_prepare_chars=5)
     on_loop = [thread == loop_thread for thread in engine.prepare_threads]
-    jobs = list(zip(engine.prepare_jobs, on_loop, strict=True))
-    assert jobs[:2] == [(["text", "text"], True), (["text", "text"], False)]  # 4 chars, then 6
-    assert sorted(jobs[2:]) == [(["image"], False), (["text"], True)]
-    for request, result in zip(requests, results, strict=True):
-        np.testing.assert_array_equal(result.vectors, np.stack([FakeEngine.expected(x) for x in request]))
+    jobs = [
+        (len(modalities), inline) for modalities, inline in zip(engine.prepare_jobs, on_loop, strict=True)
+    ]
+    assert jobs[:4] == [(2, True), (2, False), (2, False), (INLINE_MAX_ITEMS + 1, False)]
+    assert sorted(zip(engine.prepare_jobs[4:], on_loop[4:], strict=True)) == [
+        (["image"], False),
+        (["text"], True),
+    ]
+    for (request, options), result in zip(requests, results, strict=True):
+        want = [FakeEngine.expected(x, options) for x in request]
+        np.testing.assert_array_equal(result.vectors, np.stack(want))
 
 
 # --- faults ----------------------------------------------------------------------------------------
@@ -264,7 +280,7 @@ def test_one_bad_item_fails_only_its_request(marker: str, inline: int) -> None:
         engine.release()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
-    results = run(engine, body, max_batch_items=16, inline_text_chars=inline)
+    results = run(engine, body, max_batch_items=16, inline_prepare_chars=inline)
     bad = results.pop(2)
     assert isinstance(bad, RuntimeError) and classify(bad) is None  # a bug: 500 for that request only
     for texts, result in zip(good, results, strict=True):

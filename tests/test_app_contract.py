@@ -196,6 +196,10 @@ def test_float_rows_read_back_as_the_exact_float32_values() -> None:
             for d in body["data"]
         ]
         assert np.asarray(got, dtype=np.float32).tobytes() == rows.tobytes()
+    one = encode_embeddings(
+        np.full((1, 2), 0.1, np.float32), encoding_format="float", model="m", num_tokens=1
+    )
+    assert b'"embedding":[0.1,0.1]' in one  # the float32's own shortest decimal, not its double's
     rows[1, 5] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         encode_embeddings(rows, encoding_format="float", model="m", num_tokens=7)

@@ -277,7 +277,7 @@ def _batcher(engine: FakeEngine) -> Batcher:
         max_queued_items=100,
         preprocess_workers=2,
         stall_timeout_s=60,
-        inline_text_chars=0,
+        inline_prepare_chars=0,
     )
 
 
