@@ -10,11 +10,12 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import httpx
+
+from app.bench_scale import running  # start, wait for /ready, stop
 
 SERVER = r"""
 import gc, json, signal, sys, time
@@ -45,7 +46,9 @@ signal.signal(signal.SIGUSR2, measured_phase)
 signal.signal(signal.SIGUSR1, dump)
 serve(Settings(port=int(sys.argv[1]), log_level="warning", model=sys.argv[4]))
 """
-BODY = json.dumps({"model": "eg2", "input": "what is the capital of france", "encoding_format": "base64"}).encode()
+BODY = json.dumps(
+    {"model": "eg2", "input": "what is the capital of france", "encoding_format": "base64"}
+).encode()
 
 
 async def send(url: str, count: int, clients: int) -> list[float]:
@@ -56,7 +59,9 @@ async def send(url: str, count: int, clients: int) -> list[float]:
         async def one() -> None:
             async with gate:
                 start = time.perf_counter()
-                r = await client.post("/v1/embeddings", content=BODY, headers={"content-type": "application/json"})
+                r = await client.post(
+                    "/v1/embeddings", content=BODY, headers={"content-type": "application/json"}
+                )
                 assert r.status_code == 200, r.text
                 latencies.append(time.perf_counter() - start)
 
@@ -67,25 +72,16 @@ async def send(url: str, count: int, clients: int) -> list[float]:
 mode, model = sys.argv[1], sys.argv[2]
 count = int(sys.argv[3]) if len(sys.argv) > 3 else 20_000
 port, out = 8971, f"/tmp/gc_pauses_{mode}.json"
-server = subprocess.Popen([sys.executable, "-c", SERVER, str(port), mode, out, model])
 url = f"http://127.0.0.1:{port}"
-for _ in range(600):
-    try:
-        if httpx.get(url + "/ready").status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.2)
-asyncio.run(send(url, 300, 8))  # warm
-os.kill(server.pid, signal.SIGUSR2)
-time.sleep(1)
-start = time.perf_counter()
-lat = asyncio.run(send(url, count, 32))
-wall = time.perf_counter() - start
-os.kill(server.pid, signal.SIGUSR1)
-time.sleep(2)
-server.terminate()
-server.wait()
+with running([sys.executable, "-c", SERVER, str(port), mode, out, model], dict(os.environ), url) as server:
+    asyncio.run(send(url, 300, 8))  # warm
+    os.kill(server.pid, signal.SIGUSR2)  # the measured phase begins (unfrozen: the heap thawed)
+    time.sleep(1)
+    start = time.perf_counter()
+    lat = asyncio.run(send(url, count, 32))
+    wall = time.perf_counter() - start
+    os.kill(server.pid, signal.SIGUSR1)  # the figures to `out`
+    time.sleep(2)
 s = json.load(open(out))
 ms = lambda x: f"{1e3 * x:.1f}"  # noqa: E731
 print(
@@ -95,4 +91,6 @@ print(
 )
 for gen, times in s["passes"].items():
     if times:
-        print(f"  generation {gen}: {len(times)} passes, {ms(sum(times))} ms in all, longest {ms(max(times))} ms")
+        print(
+            f"  generation {gen}: {len(times)} passes, {ms(sum(times))} ms in all, longest {ms(max(times))} ms"
+        )

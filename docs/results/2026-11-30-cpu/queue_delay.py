@@ -7,12 +7,14 @@ and 32 concurrent clients, against `eg2 serve` with tests/fake_engine.py's engin
 
 import asyncio
 import json
+import os
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
+
+from app.bench_scale import running  # start, wait for /ready, stop
 
 SERVER = """
 import sys; sys.path.insert(0, "."); sys.path.insert(0, "tests")
@@ -50,18 +52,9 @@ async def send(url: str, seconds: float, c: int) -> tuple[float, float]:
 
 for delay in ("0", "2"):
     port = 8990 + int(delay)
-    p = subprocess.Popen([sys.executable, "-c", SERVER, str(port), delay])
     url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    for c in (1, 8, 32):
-        asyncio.run(send(url, 1, c))
-        rps, p50 = asyncio.run(send(url, 4, c))
-        print(f"delay {delay} ms, c={c}: {rps:.0f} req/s, p50 {p50:.2f} ms", flush=True)
-    p.terminate()
-    p.wait()
+    with running([sys.executable, "-c", SERVER, str(port), delay], dict(os.environ), url):
+        for c in (1, 8, 32):
+            asyncio.run(send(url, 1, c))
+            rps, p50 = asyncio.run(send(url, 4, c))
+            print(f"delay {delay} ms, c={c}: {rps:.0f} req/s, p50 {p50:.2f} ms", flush=True)

@@ -6,19 +6,14 @@
 
 import asyncio
 import json
-import subprocess
+import os
 import sys
 import time
-from pathlib import Path
 
-import httpx
+from server_cpu_per_request import SERVER, cpu_s, send  # its server and client (this script's folder)
 
-# The server and the client of server_cpu_per_request.py, run from the repository root.
-exec(
-    Path("docs/results/2026-11-30-cpu/server_cpu_per_request.py")
-    .read_text()
-    .split("for port, concurrency")[0]
-)
+from app.bench_scale import running
+
 BODY = json.dumps(
     {
         "model": "eg2",
@@ -27,21 +22,12 @@ BODY = json.dumps(
     }
 ).encode()
 port = 8970
-server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)])
 url = f"http://127.0.0.1:{port}"
-for _ in range(100):
-    try:
-        if httpx.get(f"{url}/ready").status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.2)
-asyncio.run(send(url, 50, 8))
-c0, t0 = cpu_s(server.pid), time.perf_counter()
-asyncio.run(send(url, 600, 8))
-wall, used = time.perf_counter() - t0, cpu_s(server.pid) - c0
+with running([sys.executable, "-c", SERVER, str(port)], dict(os.environ), url) as server:
+    asyncio.run(send(url, 50, 8))
+    c0, t0 = cpu_s(server.pid), time.perf_counter()
+    asyncio.run(send(url, 600, 8))
+    wall, used = time.perf_counter() - t0, cpu_s(server.pid) - c0
 print(
     f"32-item requests at concurrency 8: {600 * 32 / wall:.0f} items/s, server CPU {1e6 * used / 600 / 32:.1f} us per item"
 )
-server.terminate()
-server.wait()
