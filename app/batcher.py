@@ -441,8 +441,8 @@ class Batcher:
         for index, item in zip(indices, results, strict=True):
             work = _Work(request, index, item)
             self._queues.setdefault(item.modality, _Queue()).append(work)
-        for modality in {item.modality for item in results}:
-            self._metrics.queue_depth.labels(modality).set(len(self._queues[modality]))
+        for kind in {item.modality for item in results}:  # the queues these items joined
+            self._metrics.queue_depth.labels(kind).set(len(self._queues[kind]))
 
     def _retry_after(self) -> int:
         rate = max(self._items_per_s, 1.0)
