@@ -132,7 +132,7 @@ class Settings(BaseSettings):
         description="A request whose text (its text items together, the prompt counted once per item; at most "
         "8 items) has at most this many characters is tokenized on the event loop instead of a preprocessing "
         "thread: for a short query the hand-off costs "
-        "more than the tokenizer call (dev machine: ~0.08 ms of server CPU per request, against 12-68 us to "
+        "more than the tokenizer call (dev machine: ~0.08 ms of server CPU per request, against 12-69 us to "
         "tokenize 30-500 characters). Larger: more requests skip the hop, but each stalls the event loop while "
         "it tokenizes; 0 sends all text to the threads.",
     )
