@@ -93,6 +93,10 @@ class EngineOptions:
     # CUDA graphs for the vision and audio towers at small batches (tower_graphs.py), with the text
     # graphs. Off until the capture has run on a GPU: tested on the CPU only so far.
     tower_graphs: bool = False
+    # Sliding-window layers of long texts attend block by block (text.banded_attention): memory and
+    # work grow with T x 3 x window instead of T^2. The same result to float rounding; off runs
+    # the dense window masks of the reference.
+    banded_attention: bool = True
 
 
 class Engine:
@@ -256,18 +260,17 @@ class Engine:
     def forward(self, input_ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch as `device_batch` gives it -> (B, D) fp32 unit vectors on the device.
 
-        The reference path is EG2Model.forward. With graphs, the text encoder plus pooling replay a
-        captured graph; the media towers replay theirs when `tower_graphs` is on (else run eagerly),
-        and the scatter of their soft tokens runs eagerly.
+        The reference path is EG2Model.forward. Here the text encoder plus pooling replay a captured
+        graph where a bucket holds the batch (else run eagerly, with banded sliding-window attention
+        when `banded_attention`); the media towers replay theirs when `tower_graphs` is on (else run
+        eagerly), and the scatter of their soft tokens runs eagerly.
         """
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
-        if self.graphs is None:
-            return self.model(input_ids, **inputs)
         mask = inputs.pop("attention_mask")
         embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
-        vectors = self.graphs(embeds, mask.bool())
-        if vectors is None:  # no bucket holds it: a large batch, already GPU-bound
-            vectors = self.model.encode(embeds, mask)
+        vectors = self.graphs(embeds, mask.bool()) if self.graphs is not None else None
+        if vectors is None:  # no graph, or no bucket holds it: a large batch, already GPU-bound
+            vectors = self.model.encode(embeds, mask, banded=self.options.banded_attention)
         return vectors
 
     # ---- reports --------------------------------------------------------------------------------

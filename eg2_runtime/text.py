@@ -9,6 +9,7 @@ its own head_dim, kv-head count and RoPE theta, all read from the config.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +34,7 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask) -> torch.Tensor:
         b, t, _ = x.shape
         # Norms before the transpose: the same per-row math, on contiguous rows.
         q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, nh, T, hd)
@@ -49,7 +48,10 @@ class TextAttention(nn.Module):
             k = k.repeat_interleave(self.num_heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.num_heads // self.kv_heads, dim=1)
         # Scaling is 1.0: q_norm / k_norm already fix the logit scale.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
+        if isinstance(mask, Band):
+            out = banded_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -86,7 +88,7 @@ class TextLayer(nn.Module):
         ple: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: Mask,
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -152,17 +154,21 @@ class TextEncoder(nn.Module):
         self.embed_tokens.weight = nn.Parameter(table.cpu().pin_memory(), requires_grad=False)
         return table.nbytes
 
-    def forward(self, embeds: torch.Tensor, valid: torch.Tensor, static: bool = False) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, valid: torch.Tensor, static: bool = False, banded: bool = False
+    ) -> torch.Tensor:
         """(B, T, H) merged embeddings, (B, T) bool valid -> (B, T, D) per-token embeddings.
 
         `static`: always build the attention masks, never branch on the data, so the call can be
         captured in a CUDA graph (graphs.py). The default skips masks where nothing is masked.
+        `banded`: sliding layers of long inputs attend block by block (banded_attention), the fast
+        path the engine takes; the default builds dense (B, 1, T, T) window masks, as the reference.
         """
         cfg = self.cfg
         ple = self.ple(embeds)  # (B, T, L, P)
         t = embeds.shape[1]
         positions = torch.arange(t, device=embeds.device)
-        masks = attention_masks(valid, cfg.sliding_window, static)
+        masks = attention_masks(valid, cfg.sliding_window, static, banded)
         rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         x = embeds
         for i, layer in enumerate(self.layers):
@@ -175,17 +181,83 @@ class TextEncoder(nn.Module):
         return self.embedding_projection(self.norm(x))
 
 
-def attention_masks(valid: torch.Tensor, window: int, static: bool = False) -> dict[str, torch.Tensor | None]:
-    """Boolean SDPA masks (True = attend) per layer kind, or None where nothing is masked.
+@dataclass(frozen=True)
+class Band:
+    """Sliding-window attention done block by block: queries in blocks of `size`, each block against
+    the keys within `window` of it (size + 2 * window of them), instead of all T keys.
+
+    mask: (B * blocks, 1, size, size + 2 * window) bool. Query a of block i sits at i * size + a, key
+    c of its span at i * size - window + c; a key is visible when it is valid, inside the sequence and
+    |q - k| <= window, and every query sees itself (a padding query must see some key, see
+    layers.key_padding_mask).
+    """
+
+    size: int
+    window: int
+    blocks: int
+    mask: torch.Tensor
+
+
+Mask = torch.Tensor | Band | None
+
+
+def band(valid: torch.Tensor, window: int, size: int | None = None) -> Band:
+    """The Band of a (B, T) validity mask: B x T x (size + 2 window) mask bytes, where a dense window
+    mask takes B x T^2 (8,192 tokens: 64 MiB per mask, plus SDPA's float copy of it)."""
+    size = size or window
+    b, t = valid.shape
+    blocks = -(-t // size)
+    span = size + 2 * window
+    # Keys padded by `window` before and after, so block i's span starts at padded index i * size.
+    keys = F.pad(valid, (window, blocks * size - t + window)).unfold(1, span, size)  # (B, blocks, span)
+    a = torch.arange(size, device=valid.device)[:, None]
+    c = torch.arange(span, device=valid.device)[None, :]
+    near = (a + window - c).abs() <= window  # (size, span): |q - k| <= window
+    mask = (keys[:, :, None, :] & near) | (c == a + window)  # (B, blocks, size, span)
+    return Band(size, window, blocks, mask.reshape(b * blocks, 1, size, span))
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Band) -> torch.Tensor:
+    """SDPA of (B, h, T, hd) q, k, v under a Band: (B, h, T, hd), as the dense masked call gives it.
+
+    Work and memory grow with T x (size + 2 window) instead of T^2: for 8,192 tokens and a radius of
+    512, a sixth of the scores. Keys are gathered per block (a copy of size + 2 window rows each).
+    """
+    b, h, t, d = q.shape
+    size, window, n = band.size, band.window, band.blocks
+    span = size + 2 * window
+    tail = n * size - t
+    q = F.pad(q, (0, 0, 0, tail)).view(b, h, n, size, d).transpose(1, 2).reshape(b * n, h, size, d)
+
+    def spans(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, hd) -> (B * n, h, span, hd)
+        x = F.pad(x, (0, 0, window, tail + window)).unfold(2, span, size)  # (B, h, n, hd, span)
+        return x.permute(0, 2, 1, 4, 3).reshape(b * n, h, span, d)
+
+    out = F.scaled_dot_product_attention(q, spans(k), spans(v), attn_mask=band.mask, scale=1.0)
+    return out.view(b, n, h, size, d).transpose(1, 2).reshape(b, h, n * size, d)[:, :, :t]
+
+
+def attention_masks(
+    valid: torch.Tensor, window: int, static: bool = False, banded: bool = False
+) -> dict[str, Mask]:
+    """SDPA masks (True = attend) per layer kind, or None where nothing is masked.
 
     None lets SDPA take its fastest kernel, the one the reference's SDPA path takes on the same
     input; a batch without padding that fits the window needs no mask at all. Finding that out reads
-    `valid` on the host (a device sync), so `static` skips the check and always masks.
+    `valid` on the host (a device sync), so `static` skips the check and always masks. Full layers
+    get a key-padding mask (B, 1, 1, T). Sliding layers of inputs longer than three blocks of
+    `window` get a Band when `banded`; shorter ones (and the reference) a dense (B, 1, T, T) mask.
     """
     t = valid.shape[1]
+    if not static and bool(valid.all()) and t - 1 <= window:
+        return {FULL: None, SLIDING: None}
+    padded = key_padding_mask(valid)
+    full = None if not static and bool(valid.all()) else padded
+    if banded and t > 3 * window:
+        return {FULL: full, SLIDING: band(valid, window)}
     positions = torch.arange(t, device=valid.device)
     in_window = (positions[:, None] - positions[None, :]).abs() <= window  # (T, T)
-    if not static and bool(valid.all()):
-        return {FULL: None, SLIDING: None if t - 1 <= window else in_window[None, None]}
-    padded = key_padding_mask(valid)  # (B, 1, T, T)
-    return {FULL: padded, SLIDING: padded & in_window}
+    # Each query sees itself too: a padding query further than `window` from any valid key would
+    # see nothing (see layers.key_padding_mask).
+    itself = positions[:, None] == positions[None, :]
+    return {FULL: full, SLIDING: (padded & in_window) | itself}

@@ -66,7 +66,7 @@ class GraphedTowers:
         self.model = model
         device = model.language_model.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
-        self.unpacker = getattr(model, "unpacker", None)  # on packed towers: their hooks join the graphs
+        self.unpacker = model.unpacker  # on packed towers: its side-stream unpacks join the graphs
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.graphs: dict[tuple[str, int, int], _Captured] = {}
         self.capture_seconds = 0.0
