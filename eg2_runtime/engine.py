@@ -93,10 +93,11 @@ class EngineOptions:
     # CUDA graphs for the vision and audio towers at small batches (tower_graphs.py), with the text
     # graphs. Off until the capture has run on a GPU: tested on the CPU only so far.
     tower_graphs: bool = False
-    # Sliding-window layers of long texts attend block by block (text.banded_attention): memory and
-    # work grow with T x 3 x window instead of T^2. The same result to float rounding; off runs
-    # the dense window masks of the reference.
-    banded_attention: bool = True
+    # The text encoder's memory-lean path (TextEncoder.forward `lean`): sliding-window layers of long
+    # texts attend block by block (memory and work grow with T x 3 x window, not T^2) and each
+    # layer's PLE slice is computed when it runs (24x fewer PLE bytes alive). The same result to
+    # float rounding; off runs the reference's dense masks and up-front PLE.
+    lean_text: bool = True
 
 
 class Engine:
@@ -261,8 +262,8 @@ class Engine:
         """A batch as `device_batch` gives it -> (B, D) fp32 unit vectors on the device.
 
         The reference path is EG2Model.forward. Here the text encoder plus pooling replay a captured
-        graph where a bucket holds the batch (else run eagerly, with banded sliding-window attention
-        when `banded_attention`); the media towers replay theirs when `tower_graphs` is on (else run
+        graph where a bucket holds the batch (else run eagerly, on the memory-lean path when
+        `lean_text`); the media towers replay theirs when `tower_graphs` is on (else run
         eagerly), and the scatter of their soft tokens runs eagerly.
         """
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
@@ -270,7 +271,7 @@ class Engine:
         embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
         vectors = self.graphs(embeds, mask.bool()) if self.graphs is not None else None
         if vectors is None:  # no graph, or no bucket holds it: a large batch, already GPU-bound
-            vectors = self.model.encode(embeds, mask, banded=self.options.banded_attention)
+            vectors = self.model.encode(embeds, mask, lean=self.options.lean_text)
         return vectors
 
     # ---- reports --------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ class GraphedTextEncoder:
         return self.embeds[: bb * tb * hidden].view(bb, tb, hidden), self.valid[: bb * tb].view(bb, tb)
 
     def _step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return pool(self.encoder(x, v, static=True, banded=True).float(), v)
+        return pool(self.encoder(x, v, static=True, lean=True).float(), v)
 
     def _capture(self, key: tuple[int, int]) -> _Captured:
         if not self.capture:

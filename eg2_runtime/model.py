@@ -140,12 +140,10 @@ class EG2Model(nn.Module):
             embeds = embeds.masked_scatter(slots.to(embeds.device)[..., None], soft)
         return embeds
 
-    def encode(
-        self, embeds: torch.Tensor, attention_mask: torch.Tensor, banded: bool = False
-    ) -> torch.Tensor:
+    def encode(self, embeds: torch.Tensor, attention_mask: torch.Tensor, lean: bool = False) -> torch.Tensor:
         """(B, T, H) input embeddings -> (B, D) fp32 unit vectors: the text encoder, then `pool`.
-        `banded`: the block-by-block sliding-window attention (text.banded_attention)."""
-        tokens = self.language_model(embeds, attention_mask.bool(), banded=banded)
+        `lean`: the text encoder's memory-lean path (TextEncoder.forward)."""
+        tokens = self.language_model(embeds, attention_mask.bool(), lean=lean)
         return pool(tokens.float(), attention_mask)
 
     def forward(

@@ -72,8 +72,9 @@ def test_long_inputs_get_a_band_and_short_ones_a_dense_mask() -> None:
     assert isinstance(full, torch.Tensor) and full.shape == (2, 1, 1, 100), "key padding, broadcast"
 
 
-def test_text_encoder_banded_equals_reference(tiny_fp32: Path) -> None:
-    """The whole text encoder, padded batch of mixed lengths, banded vs dense window masks."""
+def test_lean_text_encoder_equals_reference(tiny_fp32: Path) -> None:
+    """The whole text encoder, padded batch of mixed lengths: the lean path (banded attention,
+    per-layer PLE) against the reference (dense window masks, PLE up front)."""
     model, _ = load_model(tiny_fp32, "cpu")
     encoder = model.language_model
     assert encoder.cfg.sliding_window == WINDOW
@@ -83,10 +84,10 @@ def test_text_encoder_banded_equals_reference(tiny_fp32: Path) -> None:
     embeds = torch.randn(4, 90, encoder.cfg.hidden_size) * valid[..., None]
     with torch.no_grad():
         expected = encoder(embeds, valid)
-        got = encoder(embeds, valid, banded=True)
-        static = encoder(embeds, valid, static=True, banded=True)
+        got = encoder(embeds, valid, lean=True)
+        static = encoder(embeds, valid, static=True, lean=True)
     scale = float(expected.abs().max())  # per-token outputs, not unit vectors: a relative bound
     for i, n in enumerate(lengths):
-        for name, out in (("banded", got), ("banded static", static)):
+        for name, out in (("lean", got), ("lean static", static)):
             diff = float((out[i, :n] - expected[i, :n]).abs().max()) / scale
             assert diff <= 1e-5, f"{name} item {i} ({n} tokens): relative {diff:.2e} > 1e-5"
