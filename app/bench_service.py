@@ -91,8 +91,8 @@ class _Prewarmed:
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         return self._engine.embed(batch)
 
-    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
-        return []
+    def warm_up(self, max_batch_items: int, max_batch_tokens: int) -> dict[str, int]:
+        return self._engine.batch_token_limits()
 
     def capture_graphs(self) -> int:  # as `eg2 serve` boots: no request pays for a graph capture
         return self._engine.capture_graphs()

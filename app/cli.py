@@ -27,7 +27,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         help_text = f"{info.description} [{env_name(field)}; default: {describe_default(field)}]"
         # `%` in a description would be read as an argparse format
         help_text = help_text.replace("%", "%%")
-        if typing.get_origin(info.annotation) is None and info.annotation is bool:
+        # bool, or bool | None (unset: decided elsewhere): --flag / --no-flag
+        if info.annotation is bool or set(typing.get_args(info.annotation)) == {bool, type(None)}:
             parser.add_argument(
                 flag_name(field), dest=field, action=argparse.BooleanOptionalAction, help=help_text
             )

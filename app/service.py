@@ -121,6 +121,8 @@ def load_engine(settings: Settings) -> EngineLike:
     from eg2_runtime.engine import Engine, EngineOptions  # pulls in torch: only when really loading
 
     options = EngineOptions(
+        gpu_memory_budget=None if settings.gpu_memory_mib is None else settings.gpu_memory_mib << 20,
+        max_forward_tokens=settings.max_batch_tokens,
         graph_max_tokens=settings.cuda_graph_max_tokens,
         host_token_table=settings.host_token_table,
     )
@@ -168,10 +170,11 @@ class Service:
         return self._batcher
 
     def batch_tokens(self) -> int:
-        """The token budget: the setting, else a default for where the engine runs."""
+        """The token budget: the setting, else a default for where the engine runs (on a GPU the
+        engine's memory plan sets tighter limits per modality, Batcher.warmup)."""
         if self.settings.max_batch_tokens is not None:
             return self.settings.max_batch_tokens
-        on_gpu = self._engine is not None and self._engine.memory().get("gpu_allocated_bytes", 0) > 0
+        on_gpu = self._engine is not None and "gpu_budget_bytes" in self._engine.memory()
         return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -200,8 +203,9 @@ class Service:
             self._batcher.start()
             await self._batcher.warmup()
             if s.cuda_graphs_at_start:
-                await asyncio.to_thread(self._engine.capture_graphs)
+                await self._batcher.on_gpu_thread(self._engine.capture_graphs)
             self._publish_memory()
+            log.info("GPU memory after warm-up", extra={"memory": self._engine.memory()})
         except (StartupError, EG2Error) as exc:
             self._fail(getattr(exc, "message", None) or str(exc))
             return
@@ -331,7 +335,9 @@ class Service:
         memory = self._engine.memory()
         self.metrics.weight_bytes.labels("resident").set(memory.get("weight_bytes_resident", 0))
         self.metrics.weight_bytes.labels("bf16_equivalent").set(memory.get("weight_bytes_bf16_equivalent", 0))
-        self.metrics.gpu_allocated_bytes.set(memory.get("gpu_allocated_bytes", 0))
+        for kind in ("process", "budget", "allocated", "reserved"):
+            if (value := memory.get(f"gpu_{kind}_bytes")) is not None:
+                self.metrics.gpu_memory_bytes.labels(kind).set(value)
 
     def refresh_metrics(self) -> None:
         """Gauges read at scrape time."""

@@ -191,14 +191,16 @@ class FakeEngine:
     def capture_graphs(self) -> int:
         return 0
 
-    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
+    def warm_up(self, max_batch_items: int, max_batch_tokens: int) -> dict[str, int]:
+        """A full batch per modality through embed (an OOM there fails the boot); no limits of its own."""
         self.warmup_gate.wait(timeout=120)
         self.warmups += 1
         cost = max(1, max_batch_tokens // max_batch_items)
-        return [
-            [PreparedItem(m, cost, cost, inputs=(bytes(32), "warm-up")) for _ in range(max_batch_items)]
-            for m in sorted(self.modalities)
-        ]
+        for m in sorted(self.modalities):
+            self.embed(
+                [PreparedItem(m, cost, cost, inputs=(bytes(32), "warm-up")) for _ in range(max_batch_items)]
+            )
+        return {}
 
     def info(self) -> dict[str, Any]:
         return {"version": "fake", "weights": {"sha256": "0" * 64}, "quantization": {"packed_layers": {}}}
