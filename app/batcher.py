@@ -32,13 +32,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from app.errors import Overloaded, Unavailable
 from app.metrics import Metrics
-from eg2_runtime.engine import PreparedItem
+from eg2_runtime.api import EngineAPI, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory
 from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
@@ -49,25 +49,6 @@ JOIN_TIMEOUT_S = 1.0  # how long close() waits for worker threads to finish thei
 # of preprocessing even when empty, so 8 items stay near the cost of 512 characters (78 vs 69 us, dev
 # machine, docs/results/2026-11-30-cpu/prepare_text_cost.txt).
 INLINE_MAX_ITEMS = 8
-
-
-class EngineLike(Protocol):
-    """What the service uses of eg2_runtime.engine.Engine (and tests/fake_engine.FakeEngine)."""
-
-    @property
-    def modalities(self) -> frozenset[str]: ...
-    @property
-    def prompts(self) -> dict[str, str]: ...
-    @property
-    def max_text_tokens(self) -> int: ...
-    def prepare_many(
-        self, items: Sequence[Item], options: PrepareOptions
-    ) -> list[PreparedItem | EG2Error]: ...
-    def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray: ...
-    def warm_up(self, max_batch_items: int, max_batch_tokens: int) -> dict[str, int]: ...
-    def capture_graphs(self) -> int: ...
-    def info(self) -> dict[str, Any]: ...
-    def memory(self) -> dict[str, int]: ...
 
 
 class Threads:
@@ -258,7 +239,7 @@ class _Queue:
 class Batcher:
     def __init__(
         self,
-        engine: EngineLike,
+        engine: EngineAPI,
         metrics: Metrics,
         *,
         max_batch_tokens: int,

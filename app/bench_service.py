@@ -37,7 +37,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from eg2_runtime.engine import Engine, PreparedItem
+from eg2_runtime.api import EngineMemory, PreparedItem
+from eg2_runtime.engine import Engine
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.inputs import Item, PrepareOptions
 from eg2_runtime.tools.bench_measure import Budget, Progress, cell_header, stats, time_rounds
@@ -100,7 +101,7 @@ class _Prewarmed:
     def info(self) -> dict[str, Any]:
         return self._engine.info()
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> EngineMemory:
         return self._engine.memory()
 
 

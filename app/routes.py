@@ -19,7 +19,7 @@ from app.errors import ClientGone, Unavailable, error_body
 from app.media import MediaResolver
 from app.schemas import EmbeddingResponse, ErrorBody, ModelCard, ModelList, encode_embeddings, parse_request
 from app.service import Service, State
-from eg2_runtime.engine import matryoshka
+from eg2_runtime.api import matryoshka
 from eg2_runtime.errors import InputError
 from eg2_runtime.inputs import MATRYOSHKA_DIMS
 

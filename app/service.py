@@ -25,11 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.batcher import Batcher, Embedded, EngineLike
+from app.batcher import Batcher, Embedded
 from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
 from app.schemas import EmbeddingRequest
 from app.settings import Settings
+from eg2_runtime.api import EngineAPI
 from eg2_runtime.errors import EG2Error, InputError
 from eg2_runtime.inputs import Item, PrepareOptions
 
@@ -104,7 +105,7 @@ def freeze_startup_heap() -> float:
     return time.monotonic() - start
 
 
-def load_engine(settings: Settings) -> EngineLike:
+def load_engine(settings: Settings) -> EngineAPI:
     """Engine.from_dir under the settings (blocking: run it off the event loop)."""
     if settings.model is None:
         log.warning(DEMO_BANNER)
@@ -126,7 +127,7 @@ def load_engine(settings: Settings) -> EngineLike:
         graph_max_tokens=settings.cuda_graph_max_tokens,
         host_token_table=settings.host_token_table,
     )
-    engine: EngineLike = Engine.from_dir(
+    engine: EngineAPI = Engine.from_dir(
         model_dir,
         device=settings.device,
         modalities=None if settings.modalities is None else frozenset(settings.modalities),
@@ -143,7 +144,7 @@ GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
 class Service:
     """Owns the engine and the batcher of one app."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, engine: EngineLike | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, engine: EngineAPI | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.demo = settings.model is None and engine is None
@@ -160,7 +161,7 @@ class Service:
         self._frozen = False  # this service froze the startup heap (freeze_startup_heap)
 
     @property
-    def engine(self) -> EngineLike:
+    def engine(self) -> EngineAPI:
         if self._engine is None or self.state is State.LOADING:
             raise Unavailable("the model is loading; retry shortly", headers={"retry-after": "5"})
         return self._engine
@@ -335,8 +336,14 @@ class Service:
         memory = self._engine.memory()
         self.metrics.weight_bytes.labels("resident").set(memory.get("weight_bytes_resident", 0))
         self.metrics.weight_bytes.labels("bf16_equivalent").set(memory.get("weight_bytes_bf16_equivalent", 0))
-        for kind in ("process", "budget", "allocated", "reserved"):
-            if (value := memory.get(f"gpu_{kind}_bytes")) is not None:
+        on_gpu = {
+            "process": memory.get("process_gpu_bytes"),
+            "budget": memory.get("gpu_budget_bytes"),
+            "allocated": memory.get("gpu_allocated_bytes"),
+            "reserved": memory.get("gpu_reserved_bytes"),
+        }
+        for kind, value in on_gpu.items():
+            if value is not None:
                 self.metrics.gpu_memory_bytes.labels(kind).set(value)
 
     def refresh_metrics(self) -> None:

@@ -1,12 +1,13 @@
-"""Engine: the one contract between the service and the model.
+"""Engine: the runtime's side of the contract in eg2_runtime/api.py (EngineAPI).
 
     prepare(item, options) -> PreparedItem      CPU only, thread-safe: decode, tokenize, featurize
     prepare_many(items, options) -> [...]       the same for many items: media decoded on a thread
                                                 pool, all text tokenized in one call
     embed([PreparedItem, ...]) -> (B, 768) f32  the accelerator; call from exactly one thread
+    warm_up / capture_graphs                    at boot, on that same thread
 
-The service sees only a PreparedItem's `modality`, `num_tokens` and `cost`; the model inputs it
-carries are opaque to it. Vectors come back as unit-norm float32 numpy rows; `matryoshka` cuts them.
+On a GPU the engine lives within a memory budget (memory_plan.py): the graph pool, the batch limits
+and the token table's place follow from it. Vectors come back as unit-norm float32 numpy rows.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.gpu_memory import ProcessGpuMemory
 from eg2_runtime.graphs import LENGTH_LADDER, GraphedTextEncoder
@@ -35,7 +37,6 @@ from eg2_runtime.inputs import (
     MATRYOSHKA_DIMS,
     Item,
     MediaPart,
-    Modality,
     PrepareOptions,
     TextPart,
 )
@@ -56,23 +57,6 @@ DEFAULT_BASE = 768 * MIB
 BASE_MARGIN = 16 * MIB
 # The graphs' static input buffers: text embeddings up to the largest bucket, tower pixels as uint8.
 STATIC_BUFFERS = 24 * MIB
-
-
-@dataclass
-class PreparedItem:
-    modality: Modality  # batch key: items of one modality are batched together
-    num_tokens: int  # tokens the text encoder sees, soft tokens and markers included (usage)
-    cost: int  # what this item spends of a batch's token budget
-    inputs: Any = field(repr=False, default=None)  # model inputs (tensors); opaque to the service
-
-
-def matryoshka(vectors: np.ndarray, dim: int) -> np.ndarray:
-    """Keep the leading `dim` dimensions of (B, 768) unit vectors and L2-renormalize them."""
-    if dim not in MATRYOSHKA_DIMS:
-        raise ValueError(f"dimensions must be one of {MATRYOSHKA_DIMS}, got {dim}")
-    cut = vectors[:, :dim].astype(np.float32, copy=True)
-    cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
-    return cut
 
 
 @dataclass(frozen=True)
@@ -423,10 +407,10 @@ class Engine:
             "version": _version(),
         }
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> EngineMemory:
         """Bytes: weights as loaded and as BF16; on a GPU, the process's own GPU memory (NVML: what a
         co-located model cannot have), the allocator's counters and the budget."""
-        out = {
+        out: EngineMemory = {
             "weight_bytes_resident": self.report.resident_bytes,
             "weight_bytes_bf16_equivalent": self.report.bf16_bytes,
         }

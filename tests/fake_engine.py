@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 from app.server import Server, build_server
 from app.service import State
 from app.settings import Settings
-from eg2_runtime.engine import PreparedItem
+from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import (
     EG2Error,
     EngineOutOfMemory,
@@ -205,8 +205,8 @@ class FakeEngine:
     def info(self) -> dict[str, Any]:
         return {"version": "fake", "weights": {"sha256": "0" * 64}, "quantization": {"packed_layers": {}}}
 
-    def memory(self) -> dict[str, int]:
-        return {"weight_bytes_resident": 1000, "weight_bytes_bf16_equivalent": 4000, "gpu_allocated_bytes": 0}
+    def memory(self) -> EngineMemory:
+        return {"weight_bytes_resident": 1000, "weight_bytes_bf16_equivalent": 4000}
 
     # --- test helpers --------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from fake_engine import (
 )
 
 from app.schemas import encode_embeddings
-from eg2_runtime.engine import matryoshka
+from eg2_runtime.api import matryoshka
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 
 MAX_TEXT_TOKENS = 500

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eg2_runtime.engine import Engine, matryoshka
+from eg2_runtime.api import matryoshka
+from eg2_runtime.engine import Engine
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.inputs import Item, MediaKind, MediaPart, PrepareOptions, TextPart
 
