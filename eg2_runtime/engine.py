@@ -30,7 +30,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
-from eg2_runtime.gpu_memory import ProcessGpuMemory
+from eg2_runtime.gpu_memory import ProcessGpuMemory, set_cuda_stack_limit
 from eg2_runtime.graphs import LENGTH_LADDER, GraphedTextEncoder
 from eg2_runtime.inputs import (
     IMAGE_TOKEN_BUDGETS,
@@ -86,6 +86,10 @@ class EngineOptions:
     # was held to one thread (single_threaded_numpy_blas): 16 clips on 2 threads of the 2-core dev
     # machine, 2.75 -> 1.86 ms per clip (a lone clip 2.20 -> 2.75 ms; docs/results/2026-11-30-cpu/).
     prepare_threads: int = min(16, os.cpu_count() or 1)
+    # The per-thread stack bytes the CUDA context reserves local memory for (gpu_memory.
+    # set_cuda_stack_limit): 256 instead of the runtime's 1,024 gives back ~200 MiB of process
+    # memory on the H200; a kernel that needs more makes the driver grow it. None leaves the default.
+    cuda_stack_bytes: int | None = 256
     # CUDA graphs for the vision and audio towers (tower_graphs.py), with the text graphs: one image
     # 82 -> 12 ms, one 9.3 s clip 122 -> 8.4 ms (H200, packed, benchmarks/probe_memory_media.py).
     tower_graphs: bool = True
@@ -134,6 +138,9 @@ class Engine:
             return
         if options.fused_norms:
             _fuse_norms(model)
+        if options.cuda_stack_bytes is not None:
+            torch.cuda.synchronize(self.device)
+            set_cuda_stack_limit(options.cuda_stack_bytes)
         self.plan = self._plan()
         if options.host_token_table or (options.host_token_table is None and self.plan.host_token_table):
             self._table_to_host()

@@ -26,7 +26,9 @@ def unit_pixels(codes: torch.Tensor) -> torch.Tensor:
 
     The patches travel as codes (a quarter of the bytes through collation, the copy to the GPU and
     the tower graphs' static inputs) and are scaled by the patch embedder."""
-    return codes.to(torch.float32) * torch.tensor(RESCALE, dtype=torch.float32, device=codes.device)
+    # A Python scalar times a float32 tensor multiplies in float32 (the scalar rounded to float32
+    # first), on any device, with no host-to-device copy: a CUDA graph can capture it.
+    return codes.to(torch.float32) * RESCALE
 
 
 class PatchEmbedder(nn.Module):

@@ -438,7 +438,7 @@ def _budget_work(modalities: frozenset[str]) -> dict[str, tuple[list[Item], Prep
 def _budget_child(model_dir: str, modalities: str) -> None:
     """Run in a fresh process: the engine with its default budget, warm-up, the start-up captures,
     then the costliest requests of each modality, while a thread samples this process's GPU memory
-    (NVML). Prints one JSON line."""
+    (NVML). Prints a STAGE line per step (the memory plan first) and one BUDGET line at the end."""
     import threading
 
     from eg2_runtime.api import PreparedItem
@@ -446,6 +446,7 @@ def _budget_child(model_dir: str, modalities: str) -> None:
 
     gpu = ProcessGpuMemory()
     engine = Engine.from_dir(model_dir, device="cuda", modalities=set(modalities.split(",")))
+    print("PLAN " + str(engine.info()["memory_plan"]), flush=True)
 
     def reading() -> int:
         now = gpu.read()
@@ -459,16 +460,30 @@ def _budget_child(model_dir: str, modalities: str) -> None:
             peak[0] = max(peak[0], reading())
             time.sleep(0.02)
 
+    out: dict[str, Any] = {}
+
+    def stage(name: str) -> None:
+        torch.cuda.synchronize()
+        out[name] = reading()
+        mib = {
+            "process": out[name] >> 20,
+            "allocated": torch.cuda.memory_allocated() >> 20,
+            "reserved": torch.cuda.memory_reserved() >> 20,
+            "peak": peak[0] >> 20,
+        }
+        print(f"STAGE {name}: {json.dumps(mib)}", flush=True)
+
     threading.Thread(target=sample, daemon=True).start()
-    out: dict[str, Any] = {"after_load": reading()}
+    stage("after_load")
     engine.warm_up(max_batch_items=64, max_batch_tokens=16384)
-    out["after_warm_up"] = reading()
+    stage("after_warm_up")
     engine.capture_graphs()
-    out["after_captures"] = reading()
-    for items, options in _budget_work(engine.modalities).values():
+    stage("after_captures")
+    for name, (items, options) in _budget_work(engine.modalities).items():
         prepared = engine.prepare_many(items, options)
         engine.embed([p for p in prepared if isinstance(p, PreparedItem)])
-    out["after_workloads"] = reading()
+        stage(name)
+    out["after_workloads"] = out[name]
     stop.set()
     time.sleep(0.05)
     out["peak"] = peak[0]
@@ -489,7 +504,7 @@ def test_memory_budget_holds_in_its_own_process(
     code = f"from tests.test_gpu import _budget_child; _budget_child({str(full['w4'])!r}, {modalities!r})"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     line = next((x for x in done.stdout.splitlines() if x.startswith("BUDGET ")), None)
-    assert done.returncode == 0 and line is not None, done.stderr[-3000:]
+    assert done.returncode == 0 and line is not None, done.stdout[-3000:] + done.stderr[-1500:]
     figures = json.loads(line.removeprefix("BUDGET "))
     mib = {k: round(v / 2**20) for k, v in figures.items() if isinstance(v, int)}
     record(
