@@ -12,6 +12,7 @@ and the token table's place follow from it. Vectors come back as unit-norm float
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -282,41 +283,43 @@ class Engine:
         match; the costliest single item must fit. Returns the batch token limits that held.
         Call on the GPU thread."""
         limits = self.batch_token_limits()
-        graphs, towers = self.graphs, self.towers
-        self.graphs = self.towers = None
+        graphs, self.graphs = self.graphs, None
+        eager = self.towers.eager() if self.towers is not None else contextlib.nullcontext()
         try:
-            for modality, (item, options) in self._warmup_items().items():
-                one = self.prepare(item, options)
-                cap = min(limits.get(modality, max_batch_tokens or one.cost), max_batch_tokens or 1 << 62)
-                n = max(1, min(max_batch_items, cap // one.cost))
-                while True:
-                    start = time.perf_counter()
-                    try:
-                        self.embed([one] * n)
-                        break
-                    except EngineOutOfMemory:
-                        if n == 1:
-                            raise EngineOutOfMemory(
-                                f"warm-up ran out of memory on one {modality} item of {one.cost} tokens: "
-                                "raise the GPU memory budget (gpu_memory_mib)"
-                            ) from None
-                        n //= 2
+            with eager:
+                for modality, (item, options) in self._warmup_items().items():
+                    one = self.prepare(item, options)
+                    cap = min(limits.get(modality, one.cost * max_batch_items), max_batch_tokens or 1 << 62)
+                    wanted = max(1, min(max_batch_items, cap // one.cost))
+                    if (n := self._fit(one, wanted)) < wanted:
                         limits[modality] = n * one.cost
-                        log.warning("warm-up: a full %s batch did not fit; %d items now", modality, n)
-                log.info(
-                    "warm-up batch done",
-                    extra={
-                        "modality": modality,
-                        "items": n,
-                        "tokens": n * one.cost,
-                        "seconds": time.perf_counter() - start,
-                    },
-                )
         finally:
-            self.graphs, self.towers = graphs, towers
+            self.graphs = graphs
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return limits
+
+    def _fit(self, one: PreparedItem, n: int) -> int:
+        """Embed n copies of `one`, halving n until it fits; the n that ran."""
+        start = time.perf_counter()
+        while True:
+            try:
+                self.embed([one] * n)
+                break
+            except EngineOutOfMemory:
+                if n == 1:
+                    raise EngineOutOfMemory(
+                        f"warm-up ran out of memory on one {one.modality} item of {one.cost} tokens: "
+                        "raise the GPU memory budget (gpu_memory_mib)"
+                    ) from None
+                n //= 2
+                log.warning("warm-up: a full %s batch did not fit; %d items now", one.modality, n)
+        seconds = time.perf_counter() - start
+        log.info(
+            "warm-up batch done",
+            extra={"modality": one.modality, "items": n, "tokens": n * one.cost, "seconds": seconds},
+        )
+        return n
 
     # ---- accelerator side: one thread -----------------------------------------------------------
 

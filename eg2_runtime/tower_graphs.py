@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +80,17 @@ class GraphedTowers:
         self.pool = pool if pool is not None or not self.capture else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[str, int, int], _Captured] = {}
         self.capture_seconds = 0.0
+        self.graphing = True  # False inside eager(): every call runs the towers eagerly, chunked
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Calls inside run eagerly (in chunks of at most `tower_slots` patch slots) and capture
+        nothing: the engine's warm-up, which proves the eager share fits."""
+        self.graphing = False
+        try:
+            yield
+        finally:
+            self.graphing = True
 
     # ---- the two entry points (EG2Model's signatures) -------------------------------------------
 
@@ -87,7 +98,9 @@ class GraphedTowers:
         """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, H), images in order."""
         n, s, _ = pixels.shape
         rows = max((r for r in ITEM_LADDER if r * s <= self.vision_slots), default=0)
-        if rows == 0:  # no bucket holds one image of this size: eager, within the tower bound
+        if (
+            rows == 0 or not self.graphing
+        ):  # no bucket holds one image of this size: eager, within the tower bound
             step = max(1, self.tower_slots // s)
             return _chunked(self.model.image_soft_tokens, n, step, pixels, positions)
 
@@ -111,7 +124,7 @@ class GraphedTowers:
         fb = rung(FRAME_LADDER, f)
         fits = lambda r: fb is not None and r * fb <= FRAMES_PER_TOKEN * self.audio_tokens  # noqa: E731
         rows = max((r for r in ITEM_LADDER if fits(r)), default=0)
-        if fb is None or rows == 0:
+        if fb is None or rows == 0 or not self.graphing:
             return self.model.audio_soft_tokens(features, mask)
         dtype = self.model.dtype
 
