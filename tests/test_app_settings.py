@@ -102,7 +102,9 @@ def test_secret_is_not_in_repr_or_dump() -> None:
 def test_docs_settings_page_is_current() -> None:
     """docs/SETTINGS.md is the page generated from the field descriptions, verbatim."""
     page = (REPO / "docs" / "SETTINGS.md").read_text()
-    assert page == settings_page(), "docs/SETTINGS.md is stale: run `python -m app.settings > docs/SETTINGS.md`"
+    assert page == settings_page(), (
+        "docs/SETTINGS.md is stale: run `python -m app.settings > docs/SETTINGS.md`"
+    )
     assert markdown_table() in page
 
 
