@@ -114,6 +114,7 @@ class Engine:
         self.device = model.language_model.embedding_projection.weight.device
         self.modalities = frozenset(model.modalities)
         self.prompts = dict(preprocessor.prompts.prompts)
+        self.default_prompt_name = preprocessor.prompts.default_name
         self.max_text_tokens = preprocessor.max_tokens
         self._digest: str | None = None
         self._digest_lock = threading.Lock()
