@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+import eg2_runtime
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.graphs import GraphedTextEncoder
 from eg2_runtime.inputs import (
@@ -292,7 +292,7 @@ class Engine:
                 "bf16_equivalent_bytes": r.bf16_bytes,
                 "summary": r.summary(),
             },
-            "version": _version(),
+            "version": eg2_runtime.__version__,
         }
 
     def memory(self) -> dict[str, int]:
@@ -410,10 +410,3 @@ def _concat_padded(chunks: Sequence[torch.Tensor], length: int, fill: float, pin
         out[row : row + n, s:] = fill
         row += n
     return out
-
-
-def _version() -> str:
-    try:
-        return version("eg2-serve")
-    except PackageNotFoundError:
-        return "0.0.0+source"
