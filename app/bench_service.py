@@ -84,6 +84,7 @@ class _Prewarmed:
         self._engine = engine
         self.modalities = engine.modalities
         self.prompts = engine.prompts
+        self.default_prompt_name = engine.default_prompt_name
         self.max_text_tokens = engine.max_text_tokens
 
     def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:

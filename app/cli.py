@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.settings import Settings, describe_default, env_name, flag_name
+from eg2_runtime.inputs import MATRYOSHKA_DIMS
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     embed = sub.add_parser("embed", help="embed inputs in-process and print the vectors")
     embed.add_argument("--model", help="checkpoint directory (default: the demo checkpoint)")
-    embed.add_argument("--dimensions", type=int, choices=(128, 256, 512, 768))
+    embed.add_argument("--dimensions", type=int, choices=sorted(MATRYOSHKA_DIMS))
     embed.add_argument("--json", action="store_true", help="print every full vector as a JSON line")
     embed.add_argument("--device", default="auto", help="auto, cuda or cpu")
     embed.add_argument(

@@ -150,7 +150,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "aliases": s.aliases,
         "demo": service.demo,
         "state": service.state.value,
-        "version": getattr(eg2_runtime, "__version__", None) or _package_version(),
+        "version": eg2_runtime.__version__,
         "modalities": sorted(engine.modalities),
         "dimensions": sorted(MATRYOSHKA_DIMS),
         "prompts": sorted(engine.prompts),
@@ -168,12 +168,3 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "engine": engine.info(),
         "memory": engine.memory(),
     }
-
-
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("eg2-serve")
-    except PackageNotFoundError:
-        return "unknown"

@@ -31,8 +31,8 @@ from app.metrics import Metrics
 from app.schemas import EmbeddingRequest
 from app.settings import Settings
 from eg2_runtime.api import EngineAPI
-from eg2_runtime.errors import EG2Error, InputError
-from eg2_runtime.inputs import Item, PrepareOptions
+from eg2_runtime.errors import EG2Error
+from eg2_runtime.inputs import Item, PrepareOptions, resolve_prompt
 
 log = logging.getLogger("eg2.service")
 
@@ -301,15 +301,10 @@ class Service:
             )
 
     def prepare_options(self, request: EmbeddingRequest) -> PrepareOptions:
-        prompt = request.prompt
-        if request.prompt_name is not None:
-            prompts = self.engine.prompts
-            if request.prompt_name not in prompts:
-                known = ", ".join(sorted(prompts)) or "none"
-                raise InputError(
-                    f"unknown prompt_name {clip(request.prompt_name)!r}; known: {known}", param="prompt_name"
-                )
-            prompt = prompts[request.prompt_name]
+        engine = self.engine
+        prompt = resolve_prompt(
+            engine.prompts, engine.default_prompt_name, request.prompt_name, request.prompt
+        )
         return PrepareOptions(prompt=prompt, truncate=request.truncate, image_tokens=request.image_tokens)
 
     async def embed(self, items: list[Item], options: PrepareOptions) -> Embedded:

@@ -1,8 +1,8 @@
 """Service settings: every knob an operator turns, from `EG2_*` environment variables or `eg2 serve` flags.
 
 One `Settings` object is built at start and passed down; nothing else in the project reads os.environ.
-Each field's description states what it does and what it trades; `eg2 serve --help` and the settings
-table in README.md are generated from these descriptions (`markdown_table`).
+Each field's description states what it does and what it trades; `eg2 serve --help` and
+docs/SETTINGS.md are generated from these descriptions (`python -m app.settings > docs/SETTINGS.md`).
 Architecture parameters are not here: they come from the checkpoint's config.json (eg2_runtime.config).
 """
 
@@ -311,7 +311,7 @@ def describe_default(field: str) -> str:
 
 
 def markdown_table() -> str:
-    """The settings table of README.md, generated from the field descriptions."""
+    """The settings table of docs/SETTINGS.md, generated from the field descriptions."""
     rows = ["| flag / env var | default | what it does, and the trade-off |", "|---|---|---|"]
     for field, info in Settings.model_fields.items():
         description = (info.description or "").replace("|", "\\|")
@@ -319,3 +319,25 @@ def markdown_table() -> str:
             f"| `{flag_name(field)}` `{env_name(field)}` | {describe_default(field)} | {description} |"
         )
     return "\n".join(rows) + "\n"
+
+
+SETTINGS_INTRO = """\
+# Settings
+
+<!-- Generated from app/settings.py: `python -m app.settings > docs/SETTINGS.md`. A test fails when
+     this page and the code drift apart. -->
+
+Every setting is a flag of `eg2 serve` and an `EG2_*` environment variable (flags win); lists are
+comma-separated. Nothing else reads the environment. The architecture is never a setting: it comes
+from the checkpoint's `config.json`.
+
+"""
+
+
+def settings_page() -> str:
+    """docs/SETTINGS.md: the introduction, then `markdown_table`."""
+    return SETTINGS_INTRO + markdown_table()
+
+
+if __name__ == "__main__":
+    print(settings_page(), end="")

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+import eg2_runtime
 from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.gpu_memory import ProcessGpuMemory, set_cuda_stack_limit
@@ -123,6 +123,7 @@ class Engine:
         self.device = model.language_model.embedding_projection.weight.device
         self.modalities = frozenset(model.modalities)
         self.prompts = dict(preprocessor.prompts.prompts)
+        self.default_prompt_name = preprocessor.prompts.default_name
         self.max_text_tokens = preprocessor.max_tokens
         self._digest: str | None = None
         self._digest_lock = threading.Lock()
@@ -414,7 +415,7 @@ class Engine:
                 "summary": r.summary(),
             },
             "memory_plan": self.plan.describe() if self.plan is not None else None,
-            "version": _version(),
+            "version": eg2_runtime.__version__,
         }
 
     def memory(self) -> EngineMemory:
@@ -539,10 +540,3 @@ def _concat_padded(chunks: Sequence[torch.Tensor], length: int, fill: float, pin
         out[row : row + n, s:] = fill
         row += n
     return out
-
-
-def _version() -> str:
-    try:
-        return version("eg2-serve")
-    except PackageNotFoundError:
-        return "0.0.0+source"

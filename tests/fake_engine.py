@@ -76,6 +76,7 @@ class FakeEngine:
         self.prompts = (
             prompts if prompts is not None else {"query": "task: search | query: ", "document": "text: "}
         )
+        self.default_prompt_name: str | None = None
         self.max_text_tokens = max_text_tokens
         self.prepare_delay_s = prepare_delay_s
         self.embed_delay_s = embed_delay_s

@@ -1,4 +1,4 @@
-"""The HTTP contract of ../shared/API.md, end to end: a real uvicorn on loopback, the official `openai`
+"""The HTTP contract of docs/API.md, end to end: a real uvicorn on loopback, the official `openai`
 client unchanged, every documented error row.
 
 Vectors and token counts are checked against a second, in-process instance of the same engine
