@@ -41,11 +41,11 @@ CUDA_BACKENDS = {SLIDING: "flex", FULL: "efficient"}
 CPU_BACKENDS = {SLIDING: "dense", FULL: "dense"}
 FLASH_MAX_HEAD_DIM = 256
 
-# FlexAttention tile sizes by head_dim (None: inductor's defaults). At 512, a 64-row query tile is
-# 64 KiB of BF16 and each 32-row key or value tile 32 KiB, so two pipeline stages stay inside the
-# H200's 227 KiB of shared memory per block; inductor's default there asks for three.
-FLEX_KERNEL_OPTIONS: dict[int, dict[str, Any]] = {
-    512: {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
+# FlexAttention tile sizes by (dtype, head_dim); inductor's defaults elsewhere. At 512 in BF16 a
+# 64-row query tile is 64 KiB and each 32-row key or value tile 32 KiB, so two pipeline stages fit
+# the H200's 227 KiB of shared memory per block; inductor's default there asks for three.
+FLEX_KERNEL_OPTIONS: dict[tuple[torch.dtype, int], dict[str, Any]] = {
+    (torch.bfloat16, 512): {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 2, "num_warps": 4},
 }
 
 
@@ -215,7 +215,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) ->
         block_mask=mask,
         scale=1.0,
         enable_gqa=True,
-        kernel_options=FLEX_KERNEL_OPTIONS.get(q.shape[-1]),
+        kernel_options=FLEX_KERNEL_OPTIONS.get((q.dtype, q.shape[-1])),
     )
     return out[0].transpose(0, 1)
 
