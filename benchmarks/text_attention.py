@@ -15,7 +15,8 @@ graphs), on embeddings made before timing:
   against packed (`Packing.from_lengths` + `forward_packed` + `Packing.pool`) for each attention
   backend combination, with the packed vectors' lowest cosine against the padded ones;
 - `attention`: one layer's attention kernel alone per layer kind and backend, against the padded
-  path's SDPA call on the same batch;
+  path's SDPA call on the same batch; for one item on the full layers (no mask needed), also SDPA
+  forced to cuDNN and to the CUTLASS kernel, and scores by cuBLAS with an FP32 softmax;
 - `flex_512`: FlexAttention on the full layers (head_dim 512) under several tile options; an option
   that does not compile is recorded with its error.
 
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eg2_runtime import packed_attention
 from eg2_runtime.config import FULL, SLIDING, TextConfig
@@ -281,6 +283,28 @@ def attention_kind(
             return PackedAttention(packing, cfg, chosen)(kind, q, k, v)
 
         run.measure("attention", label, backend, lambda call=call: timed(call))
+
+    if kind == FULL and len(lengths) == 1:
+        # One item needs no mask at all: every exact kernel that takes head_dim 512 is a candidate.
+        def sdpa_with(backend: SDPBackend) -> Callable[[], torch.Tensor]:
+            def call() -> torch.Tensor:
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(*padded, scale=1.0)
+
+            return call
+
+        def matmul() -> torch.Tensor:
+            # the reference's eager path: scores by cuBLAS, softmax in FP32, then P @ V
+            qh, kh, vh = padded[0][0], padded[1][0], padded[2][0]  # (nh, T, hd)
+            weights = torch.softmax(qh @ kh.transpose(-1, -2), dim=-1, dtype=torch.float32)
+            return weights.to(qh.dtype) @ vh
+
+        for label_, call_ in (
+            ("sdpa cudnn", sdpa_with(SDPBackend.CUDNN_ATTENTION)),
+            ("sdpa efficient", sdpa_with(SDPBackend.EFFICIENT_ATTENTION)),
+            ("matmul + softmax", matmul),
+        ):
+            run.measure("attention", label, label_, lambda c=call_: timed(c))
 
 
 def flex_512_section(run: Run, cfg: TextConfig, name: str, lengths: list[int]) -> None:
