@@ -274,15 +274,18 @@ def attention_kind(
         return {"ms": ms, **rate(flops, ms, peak)}
 
     run.measure("attention", label, "padded sdpa", lambda: timed(sdpa))
-    for backend in backends:
+    # flex at blocks of 64 too: less of each block wasted on short items, more blocks to list
+    runs = [(b, 128) for b in backends] + ([("flex", 64)] if "flex" in backends else [])
+    for backend, block in runs:
         # flex serves the other kind (every kind needs a backend it takes); the block masks are
         # built per call, as they are per batch
         chosen = {SLIDING: "flex", FULL: "flex", kind: backend}
 
-        def call(chosen: dict[str, str] = chosen) -> torch.Tensor:
-            return PackedAttention(packing, cfg, chosen)(kind, q, k, v)
+        def call(chosen: dict[str, str] = chosen, block: int = block) -> torch.Tensor:
+            return PackedAttention(packing, cfg, chosen, block_size=block)(kind, q, k, v)
 
-        run.measure("attention", label, backend, lambda call=call: timed(call))
+        name = backend if block == 128 else f"{backend} (blocks of {block})"
+        run.measure("attention", label, name, lambda call=call: timed(call))
 
     if kind == FULL and len(lengths) == 1:
         # One item needs no mask at all: every exact kernel that takes head_dim 512 is a candidate.
@@ -381,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         meta.update(
             gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, triton=triton.__version__
         )
-    meta["matmul_peak_tflops"] = round(matmul_peak_tflops(device), 1)
+    meta["matmul_peak_tflops"] = matmul_peak_tflops(device)
     run.save()
-    print(f"{device}: BF16 matmul peak {meta['matmul_peak_tflops']} TFLOP/s", flush=True)
+    print(f"{device}: BF16 matmul peak {meta['matmul_peak_tflops']:.1f} TFLOP/s", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_demo_model(Path(tmp) / "model", size=args.size, seed=0)
