@@ -1,15 +1,22 @@
 """The text encoder: a bidirectional Gemma encoder with per-layer embeddings (PLE), then a
 per-token projection to the embedding dimension.
 
-Shapes: B batch, T tokens, H hidden (512), L layers, P PLE width (512), D embedding dim (768).
-Layers alternate sliding attention (|q - k| <= window, a radius) and full attention, each kind with
-its own head_dim, kv-head count and RoPE theta, all read from the config.
+Shapes: B batch, T tokens, H hidden (512), L layers, P PLE width (512), D embedding dim (768); N
+tokens of a packed batch. Layers alternate sliding attention (|q - k| <= window, a radius) and full
+attention, each kind with its own head_dim, kv-head count and RoPE theta, all read from the config.
+
+Two ways in, sharing every layer: `forward` takes a padded (B, T, H) batch with dense masks (the
+reference path); `forward_packed` takes the items end to end, (N, H), and attention that keeps each
+item to itself (packing.py, packed_attention.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +24,11 @@ from torch import nn
 
 from eg2_runtime.config import FULL, SLIDING, TextConfig
 from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, rope_cos_sin
+from eg2_runtime.packed_attention import PackedAttention
+from eg2_runtime.packing import Packing
+
+# q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class TextAttention(nn.Module):
@@ -34,12 +46,20 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., H) -> q (..., nh, hd), k and v (..., kv, hd), normed: the per-token half of attention.
+
+        Norms before any transpose: the same per-row math, on contiguous rows.
+        """
+        lead = x.shape[:-1]
+        q = self.q_norm(self.q_proj(x).view(*lead, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*lead, -1, self.head_dim))
+        v = self.v_norm(self.v_proj(x).view(*lead, -1, self.head_dim))
+        return q, k, v
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask) -> torch.Tensor:
         b, t, _ = x.shape
-        # Norms before the transpose: the same per-row math, on contiguous rows.
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, kv, T, hd)
-        v = self.v_norm(self.v_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        q, k, v = (y.transpose(1, 2) for y in self.project(x))  # (B, nh or kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA's GQA path only where the reference takes it too (no mask, head_dim <= 256): elsewhere
         # the kv heads are repeated, so both runs pick the same kernels and round alike on the GPU.
@@ -53,6 +73,15 @@ class TextAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_packed(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """(N, H) tokens of packed items, cos/sin (N, 1, hd) -> (N, H); `attend` keeps each item to
+        itself (packed_attention.py)."""
+        q, k, v = self.project(x)  # (N, nh or kv, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
 
 
 class PLEBlock(nn.Module):
@@ -90,7 +119,17 @@ class TextLayer(nn.Module):
         sin: torch.Tensor,
         mask: Mask,
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return self.after_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, mask), ple)
+
+    def forward_packed(
+        self, x: torch.Tensor, ple: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        attn = self.self_attn.forward_packed(self.input_layernorm(x), cos, sin, attend)
+        return self.after_attention(x, attn, ple)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
+        """The per-token rest of the layer: residual, MLP block, PLE gate, layer scalar."""
+        x = x + self.post_attention_layernorm(attn)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = self.ple_block(x, ple)
         return x * self.layer_scalar
@@ -190,6 +229,35 @@ class TextEncoder(nn.Module):
                 rope[key] = rope_cos_sin(positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
             cos, sin = rope[key]
             x = layer(x, self.ple.layer(embeds, i) if ple is None else ple[:, :, i], cos, sin, masks[kind])
+        return self.embedding_projection(self.norm(x))
+
+    def forward_packed(
+        self,
+        embeds: torch.Tensor,
+        packing: Packing,
+        backends: Mapping[str, str] | None = None,
+        block_size: int = 128,
+    ) -> torch.Tensor:
+        """(N, H) merged embeddings of items laid end to end -> (N, D) per-token embeddings; each
+        item's rows equal what `forward` gives it in a padded batch. `packing.pool` makes the vectors.
+
+        `backends`: the attention kernel per layer kind (packed_attention.py; the device's default
+        when None). Block masks are built here from the packing's tensors with no host sync, so a
+        CUDA graph can capture this call whole and replay it after `packing.copy_`.
+        """
+        cfg = self.cfg
+        attention = PackedAttention(packing, cfg, backends, block_size)
+        rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            kind = cfg.layer_types[i]
+            key = (kind, cfg.head_dims[i])
+            if key not in rope:
+                cos, sin = rope_cos_sin(packing.positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
+                rope[key] = cos[:, None], sin[:, None]  # (N, 1, hd): one angle per token, every head
+            attend = functools.partial(attention, kind)
+            ple = self.ple.layer(embeds, i)  # (N, P): each layer's slice when it runs, as the lean path
+            x = cast(TextLayer, layer).forward_packed(x, ple, *rope[key], attend)
         return self.embedding_projection(self.norm(x))
 
 
