@@ -18,8 +18,10 @@ whose rows fit a bucket, in chunks of the largest bucket that fits (graphs.py, t
 more pool means larger buckets and fewer replays per batch, not a different result.
 
 Activation costs are per token of the batch (text, with padding) or per patch slot (vision tower),
-from the config dimensions (ActivationCosts.from_config), checked against the allocator's peak on
-the H200 by `benchmarks/probe_memory_media.py`. Pure arithmetic: no torch, tested on the CPU.
+from the config dimensions (ActivationCosts.from_config), set at or above the allocator's peaks on
+the H200 (benchmarks/probe_costs.py, 2026-12-01: lean text 27.7-32.6 kB per token, the vision tower
+23.3-23.7 kB per patch slot, the audio tower 102.4-103.1 kB per soft token), with room for
+fragmentation. Pure arithmetic: no torch, tested on the CPU.
 """
 
 from __future__ import annotations
@@ -61,19 +63,22 @@ class ActivationCosts:
         # k, v themselves (full layers: 4 x 4 x 512 + 2 x 512 values); the banded sliding layers add
         # their key spans (3 windows of repeated k and v per block) and a bool + float mask row.
         attention = 4 * t.num_heads * hd + 2 * kv * hd
-        text = dtype_bytes * (max(3 * t.intermediate_size, attention) + 6 * t.hidden_size)
+        text = dtype_bytes * (max(3 * t.intermediate_size, attention) + 4 * t.hidden_size)
         text += 3 * (2 * dtype_bytes * t.num_heads * min(t.head_dims) + 3 * t.sliding_window)
         vision = vision_input = audio = 0
         slots = 1
         if config.vision is not None:
             v = config.vision
-            vision = dtype_bytes * (3 * v.intermediate_size + 4 * v.hidden_size)  # the MLP dominates
+            vision = dtype_bytes * (3 * v.intermediate_size + 6 * v.hidden_size)  # the MLP dominates
             vision_input = 3 * v.patch_size**2  # one uint8 code per pixel value
             slots = v.pooling_kernel_size**2
         if config.audio is not None:
-            # The first subsampling conv: (C0, 2 steps, 64 bins) per soft token, its LayerNorm in fp32.
-            c0 = config.audio.subsampling_conv_channels[0]
-            audio = (dtype_bytes + 4) * 2 * c0 * 64
+            # The first subsampling conv: (C0, 2 steps, 64 bins) per soft token, its LayerNorm in
+            # fp32, beside the conformer's states.
+            a = config.audio
+            audio = (dtype_bytes + 4) * 2 * a.subsampling_conv_channels[
+                0
+            ] * 64 + 4 * dtype_bytes * a.hidden_size
         return cls(
             text_token=text,
             vision_slot=vision,
