@@ -32,7 +32,7 @@ import eg2_runtime
 from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.gpu_memory import ProcessGpuMemory, set_cuda_stack_limit
-from eg2_runtime.graphs import LENGTH_LADDER, GraphedTextEncoder
+from eg2_runtime.graphs import LENGTH_LADDER, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import (
     IMAGE_TOKEN_BUDGETS,
     MATRYOSHKA_DIMS,
@@ -151,10 +151,13 @@ class Engine:
         # taking memory past the budget. Graph pools count too.
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, self.plan.allocator_limit / total), self.device)
-        pool = torch.cuda.graph_pool_handle()  # one pool for the text and the tower graphs
+        pool = GraphPool(self.plan.graph_pool)  # one pool for the text and the tower graphs
+        costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
-            self.graphs = GraphedTextEncoder(model.language_model, tokens, pool=pool)
+            self.graphs = GraphedTextEncoder(
+                model.language_model, tokens, pool=pool, token_bytes=costs.text_token
+            )
         if self.graphs is not None and options.tower_graphs and self.modalities - {"text"}:
             self.towers = GraphedTowers(
                 model,
@@ -162,6 +165,8 @@ class Engine:
                 audio_tokens=self.plan.graph_audio_tokens,
                 tower_slots=self.plan.tower_slots,
                 pool=pool,
+                slot_bytes=costs.vision_slot,
+                audio_token_bytes=costs.batch_token("audio"),
             )
         log.info("GPU memory plan: %s", self.plan.describe())
 

@@ -53,6 +53,38 @@ def rung(ladder: Sequence[int], n: int) -> int | None:
     return next((r for r in ladder if r >= n), None)
 
 
+class GraphPool:
+    """One CUDA graph memory pool, shared by the text and the tower graphs, with a byte budget.
+
+    Graphs of different shapes reuse each other's freed blocks only where the sizes happen to fit,
+    so a pool grows by close to each new shape's activations (H200: 238 MiB for the start-up
+    captures, about their sum). What each capture really added is measured (the allocator's
+    reserved bytes around it, the warm-up's cache emptied), and a bucket is captured only while that
+    total plus the bucket's estimate stays within the budget; past it, the bucket runs eagerly.
+    `budget` None: no bound (tests, the CPU path).
+    """
+
+    def __init__(self, budget: int | None) -> None:
+        self.handle = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.budget = budget
+        self.used = 0  # measured bytes the captures added
+
+    def admits(self, estimate: int) -> bool:
+        return self.budget is None or self.used + estimate <= self.budget
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            self.used += max(0, torch.cuda.memory_reserved() - before)
+
+
 def capture_graph(
     step: Callable[..., Any],
     inputs: Sequence[torch.Tensor],
@@ -99,22 +131,30 @@ class _Captured:
 class GraphedTextEncoder:
     """`(embeds (B, T, H), valid (B, T) bool) -> (B, D)` unit vectors, as `pool(encoder(...))`.
 
-    `max_tokens` bounds Bb * Tb: the graph pool keeps its largest bucket's activations for good, so
-    the memory plan sets it. `pool`: the CUDA graph pool to draw on (shared with the tower graphs);
-    None makes one. `capture=False` runs the same padded step eagerly: the CPU test of the padding
-    logic.
+    `max_tokens` bounds Bb * Tb: a graph pool keeps its buckets' activations for good, so the memory
+    plan sets it. `pool`: the GraphPool to draw on (shared with the tower graphs; None: one of its
+    own, unbounded), admitting a bucket by `token_bytes` per padded token. `capture=False` runs the
+    same padded step eagerly: the CPU test of the padding logic.
     """
 
-    def __init__(self, encoder: TextEncoder, max_tokens: int, pool: Any = None, capture: bool = True) -> None:
+    def __init__(
+        self,
+        encoder: TextEncoder,
+        max_tokens: int,
+        pool: GraphPool | None = None,
+        token_bytes: int = 0,
+        capture: bool = True,
+    ) -> None:
         self.encoder = encoder
         self.max_tokens = max_tokens
+        self.token_bytes = token_bytes
         device = encoder.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
         # Flat input buffers every bucket views its leading part of (only one bucket's inputs are
         # live at a time), allocated on first use like any activation.
         self.embeds: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
-        self.pool = pool if pool is not None or not self.capture else torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None or not self.capture else GraphPool(None)
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.capture_seconds = 0.0
 
@@ -184,9 +224,15 @@ class GraphedTextEncoder:
         if not self.capture:
             self.graphs[key] = _Captured(None, None)
             return self.graphs[key]
+        assert self.pool is not None
+        if not self.pool.admits(self.token_bytes * key[0] * key[1]):
+            log.info("text graph %s would not fit the graph pool's budget; it runs eagerly", key)
+            self.graphs[key] = _Captured(None, None)
+            return self.graphs[key]
         t0 = time.perf_counter()
         try:
-            graph, out = capture_graph(self._step, self._inputs(key), self.pool)
+            with self.pool.measuring():
+                graph, out = capture_graph(self._step, self._inputs(key), self.pool.handle)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
             # It runs its padded step eagerly instead, which frees its activations after each call.

@@ -37,6 +37,10 @@ MAX_AUDIO_TOKENS = 750  # 30 s at 25 soft tokens per second
 # of the default 280 tokens): the token table then moves to host memory, where it costs a host-side
 # gather of each batch's rows instead (H200: 64 short docs 3,067 vs 3,177 items/s, in the noise).
 MIN_GRAPH_TEXT_TOKENS = 64 * 64
+# An eager forward's peak beside the graph pool and the weights came out up to ~20% over its own
+# activations (the caching allocator's split blocks; H200, 2026-12-01: an 8,192-token text needed
+# ~360 MiB under the cap against a 264 MB peak measured alone).
+EAGER_MARGIN = 1.4
 MIN_GRAPH_VISION_SLOTS = 280 * 9
 
 
@@ -129,6 +133,7 @@ class MemoryPlan:
     graph_audio_tokens: int  # audio buckets hold Bb x Fb / 4 <= this
     tower_slots: int  # an eager vision tower call takes at most this many patch slots
     max_batch_tokens: dict[str, int]  # per modality: what one forward may take
+    costs: ActivationCosts  # what the graphs estimate a bucket at before capturing it
 
     @property
     def allocator_limit(self) -> int:
@@ -193,6 +198,7 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
         graph_audio_tokens=pool // audio if audio else 0,
         tower_slots=max(largest_image, eager // vision) if vision else 0,
         max_batch_tokens=limits,
+        costs=costs,
     )
 
 
@@ -202,13 +208,14 @@ def _minimum_pool(costs: ActivationCosts, modalities: frozenset[str]) -> int:
 
 
 def _largest_item(costs: ActivationCosts, modalities: frozenset[str], max_text_tokens: int) -> int:
-    """Activation bytes of the costliest single valid request of the loaded modalities."""
+    """Activation bytes of the costliest single valid request of the loaded modalities, with room
+    for the caching allocator's fragmentation (EAGER_MARGIN)."""
     sizes = [max_text_tokens * costs.text_token]
     if modalities & {"image", "video"}:
         sizes.append(costs.image(MAX_IMAGE_TOKENS))
     if "audio" in modalities:
         sizes.append(MAX_AUDIO_TOKENS * costs.batch_token("audio"))
-    return max(sizes)
+    return int(EAGER_MARGIN * max(sizes))
 
 
 # The default budget with a media tower loaded: what the product promises a co-located language

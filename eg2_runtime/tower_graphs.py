@@ -32,12 +32,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from eg2_runtime.graphs import BATCH_LADDER as ITEM_LADDER
-from eg2_runtime.graphs import capture_graph, rung
+from eg2_runtime.graphs import GraphPool, capture_graph, rung
 from eg2_runtime.model import EG2Model
 
 log = logging.getLogger(__name__)
@@ -58,8 +57,9 @@ class GraphedTowers:
     """`image_soft_tokens` / `audio_soft_tokens` of `model` through captured graphs (model.SoftTokens).
 
     `vision_slots` and `audio_tokens` bound the buckets (Nb x S, and Bb x Fb / 4); `tower_slots`
-    bounds an eager vision call. `pool`: the CUDA graph pool shared with the text graphs (None makes
-    one). `capture=False` runs the padded steps eagerly: the CPU test of the padding logic.
+    bounds an eager vision call. `pool`: the GraphPool shared with the text graphs (None: one of its
+    own, unbounded), admitting a bucket by its estimated bytes. `capture=False` runs the padded
+    steps eagerly: the CPU test of the padding logic.
     """
 
     def __init__(
@@ -69,15 +69,19 @@ class GraphedTowers:
         vision_slots: int,
         audio_tokens: int,
         tower_slots: int,
-        pool: Any = None,
+        pool: GraphPool | None = None,
+        slot_bytes: int = 0,
+        audio_token_bytes: int = 0,
         capture: bool = True,
     ) -> None:
         self.model = model
         self.vision_slots, self.audio_tokens, self.tower_slots = vision_slots, audio_tokens, tower_slots
+        # What a bucket is estimated to add to the pool: per patch slot, per audio soft token.
+        self.slot_bytes, self.audio_token_bytes = slot_bytes, audio_token_bytes
         device = model.language_model.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
         self.unpacker = model.unpacker  # on packed towers: its side-stream unpacks join the graphs
-        self.pool = pool if pool is not None or not self.capture else torch.cuda.graph_pool_handle()
+        self.pool = pool if pool is not None or not self.capture else GraphPool(None)
         self.graphs: dict[tuple[str, int, int], _Captured] = {}
         self.capture_seconds = 0.0
         self.graphing = True  # False inside eager(): every call runs the towers eagerly, chunked
@@ -212,10 +216,20 @@ class GraphedTowers:
         if not self.capture:
             self.graphs[key] = _Captured(None, inputs, fills, None)
             return self.graphs[key]
+        kind, n, size = key
+        estimate = (
+            n * size * (self.slot_bytes if kind == "image" else self.audio_token_bytes // FRAMES_PER_TOKEN)
+        )
+        assert self.pool is not None
+        if not self.pool.admits(estimate):
+            log.info("tower graph %s would not fit the graph pool's budget; it runs eagerly", key)
+            self.graphs[key] = _Captured(None, inputs, fills, None)
+            return self.graphs[key]
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
         try:
-            graph, outputs = capture_graph(step, inputs, self.pool, around)
+            with self.pool.measuring():
+                graph, outputs = capture_graph(step, inputs, self.pool.handle, around)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
             # It runs its padded step eagerly instead, which frees its activations after each call.
