@@ -66,7 +66,7 @@ def create_app(settings: Settings, engine: EngineLike | None = None) -> FastAPI:
             allow_headers=["authorization", "content-type", "x-request-id"],
             expose_headers=["x-request-id", "x-queue-time-ms", "x-inference-time-ms"],
         )
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, routes=app.routes)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
