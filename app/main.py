@@ -43,6 +43,10 @@ def create_app(settings: Settings, engine: EngineLike | None = None) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # no CDN-loaded pages; the schema itself is at /openapi.json (behind the key)
         redoc_url=None,
+        # `/v1/models/` is a 404, not a 307 to `/v1/models`: Starlette builds that redirect's Location
+        # from the client's Host header, so anyone could make this server answer with a link to theirs.
+        # Clients call the documented paths; none relies on the redirect.
+        redirect_slashes=False,
     )
     app.state.service = service
     install_error_handlers(app)
