@@ -25,6 +25,17 @@ class Metrics:
             ["route", "status"],
             registry=r,
         )
+        self.open_connections = Gauge(
+            "eg2_open_connections", "Client connections open now (what max_connections counts)", registry=r
+        )
+        self.connections_closed = Counter(
+            "eg2_connections_closed",
+            "Connections the server closed before a request reached the app, by reason: header_timeout "
+            "(408, or nothing sent), header_too_large (431), evicted (waiting for a request when a new "
+            "connection needed its place), over_limit (503 at once: max_connections open, none waiting)",
+            ["reason"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "eg2_queue_depth", "Prepared items waiting for the GPU, by modality", ["modality"], registry=r
         )

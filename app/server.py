@@ -4,6 +4,9 @@ uvicorn alone stops listening at the first signal and waits for connections, so 
 reports the drain and new requests are refused at TCP level. Here the first signal only starts the
 service's drain (/ready 503, new requests 503, in-flight ones finish within the drain deadline); the
 server stops when the service says so. A second signal stops at once.
+
+Connections are served by app/connections.py's protocol (header timeout and size, the connection
+cap); `serve` also fits the process's file-descriptor limit to that cap.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
 from types import FrameType
 
 import uvicorn
 
 from app.batcher import EngineLike
+from app.connections import ConnectionLimits, Connections, protocol_class
 from app.main import create_app
 from app.service import Service
 from app.settings import Settings
@@ -24,9 +29,10 @@ log = logging.getLogger("eg2.server")
 
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+    def __init__(self, config: uvicorn.Config, service: Service, connections: Connections) -> None:
         super().__init__(config)
         self.service = service
+        self.connections = connections
         self._signalled = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -47,8 +53,18 @@ class Server(uvicorn.Server):
         return int(self.servers[0].sockets[0].getsockname()[1])
 
 
-def build_server(settings: Settings, engine: EngineLike | None = None) -> Server:
+def build_server(
+    settings: Settings, engine: EngineLike | None = None, *, max_connections: int | None = None
+) -> Server:
+    """The server for `settings`; `max_connections` overrides the setting (serve() fits it to the
+    descriptor limit)."""
     app = create_app(settings, engine)
+    limits = ConnectionLimits(
+        max_connections=max_connections or settings.max_connections,
+        header_timeout_s=settings.header_read_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
+    )
+    connections = Connections(limits, app.state.service.metrics)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -61,12 +77,44 @@ def build_server(settings: Settings, engine: EngineLike | None = None) -> Server
         # request, fake engine, dev machine: 0.60-0.62 -> 0.52-0.53 ms at 1 client, and
         # at 32: 0.61-0.62 -> 0.44-0.53 ms (docs/results/2026-11-30-cpu/server_cpu_per_request.txt).
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(connections),  # uvicorn's httptools protocol, with the connection limits
+        ws="none",
         # After the drain only idle keep-alive connections remain; do not wait on stragglers.
         timeout_graceful_shutdown=2,
         timeout_keep_alive=5,
     )
-    return Server(config, app.state.service)
+    return Server(config, app.state.service, connections)
+
+
+# Descriptors the server needs besides its client connections: 14 with the tiny model on CPU (the
+# event loop, its pipes, stdio, the listening socket); CUDA adds its device files, and remote media
+# fetches (allow_remote_urls) their sockets.
+FD_RESERVE = 64
+
+
+def fit_descriptor_limit(max_connections: int) -> int:
+    """The connection cap the file-descriptor limit allows: raises the soft RLIMIT_NOFILE toward the
+    hard one when max_connections + FD_RESERVE needs it, and lowers the cap (with a warning) when even
+    that is too small. Past the descriptor limit accept() fails and libuv drops every new connection
+    (/health's too), so the cap must be reached first. The event loop is epoll, so a high limit costs
+    nothing (select() would break past 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections
+    fitted = max(1, soft - FD_RESERVE)
+    log.warning(
+        "max_connections lowered to fit the file-descriptor limit",
+        extra={"max_connections": max_connections, "fitted": fitted, "nofile": soft},
+    )
+    return fitted
 
 
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
@@ -103,7 +151,7 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 def serve(settings: Settings, engine: EngineLike | None = None) -> int:
     """Run until drained or failed; the process exit code."""
     tune_malloc()
-    server = build_server(settings, engine)
+    server = build_server(settings, engine, max_connections=fit_descriptor_limit(settings.max_connections))
     server.run()
     if not server.started:
         return server.service.exit_code or 1

@@ -5,8 +5,8 @@ items, stall, or block its warm-up. Its vectors are deterministic (a hash of the
 a test can check that each row came back to the right request, in order. Everything else (HTTP
 contract, batching, lifecycle) runs the real app code on a real uvicorn on 127.0.0.1.
 
-Run as a script, it serves the fake engine in a subprocess (for signal tests):
-    python tests/fake_engine.py [--embed-delay S]      (settings from EG2_* variables)
+Run as a script, it serves the fake engine in a subprocess (for signal and descriptor-limit tests):
+    python tests/fake_engine.py [--embed-delay S] [--nofile N]      (settings from EG2_* variables)
 """
 
 from __future__ import annotations
@@ -356,7 +356,14 @@ def _main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--embed-delay", type=float, default=0.0)
+    parser.add_argument(
+        "--nofile", type=int, help="file-descriptor limit (soft and hard) of the server process"
+    )
     args = parser.parse_args()
+    if args.nofile is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
     settings = Settings()
     setup_logging(settings.log_level, settings.log_json)
     return serve(settings, FakeEngine(embed_delay_s=args.embed_delay))
