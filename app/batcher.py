@@ -325,7 +325,9 @@ class Batcher:
                 },
             )
 
-    async def close(self) -> None:
+    async def close(self) -> list[str]:
+        """Stop scheduling, fail what is in flight, stop the threads; the names of the thread pools
+        still busy after JOIN_TIMEOUT_S (a call into the engine that has not returned)."""
         if self._scheduler is not None:
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -334,9 +336,12 @@ class Batcher:
         self._prep.close()
         self._gpu.close()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
+        busy = []
         for threads in (self._prep, self._gpu):
-            if not await threads.join(deadline - time.monotonic()):  # a wedged engine call: exit without it
+            if not await threads.join(deadline - time.monotonic()):  # a long or wedged engine call
                 log.warning("a worker thread is still busy at shutdown", extra={"threads": threads.name})
+                busy.append(threads.name)
+        return busy
 
     def abort(self, exc: BaseException) -> None:
         """Fail every request in flight with `exc` (drain deadline, shutdown)."""

@@ -3,7 +3,8 @@
 uvicorn alone stops listening at the first signal and waits for connections, so /ready never
 reports the drain and new requests are refused at TCP level. Here the first signal only starts the
 service's drain (/ready 503, new requests 503, in-flight ones finish within the drain deadline); the
-server stops when the service says so. A second signal stops at once.
+server stops when the service says so. A second signal stops at once. A call into the engine that
+outlives the drain (the batcher waits 1 s for it) ends with the process: see exit_now.
 
 Connections are served by app/connections.py's protocol (header timeout and size, the connection
 cap); `serve` also fits the process's file-descriptor limit to that cap.
@@ -15,7 +16,9 @@ import ctypes
 import logging
 import os
 import resource
+import sys
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 
@@ -149,10 +152,35 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 
 def serve(settings: Settings, engine: EngineLike | None = None) -> int:
-    """Run until drained or failed; the process exit code."""
+    """Run until drained or failed; the process exit code. With a worker thread still inside the
+    engine after the drain, ends the process here (exit_now) instead of returning."""
     tune_malloc()
     server = build_server(settings, engine, max_connections=fit_descriptor_limit(settings.max_connections))
     server.run()
-    if not server.started:
-        return server.service.exit_code or 1
-    return server.service.exit_code
+    service = server.service
+    code = service.exit_code if server.started else service.exit_code or 1
+    if service.busy_threads:
+        log.warning(
+            "exiting without finalizing: a worker thread is still inside the engine",
+            extra={"threads": service.busy_threads, "exit_code": code},
+        )
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without finalizing the interpreter: for when a worker thread is still in
+    native code (a forward running at the drain deadline, a long decode, a wedged device call).
+
+    Finalizing under such a thread aborts the process. CPython ends a daemon thread that takes the
+    GIL once finalization has begun with pthread_exit; its forced unwind runs through torch's C++
+    frames, and crossing a noexcept one (the destructor of pybind11's GIL-release guard, run when a
+    torch op returns) calls std::terminate: `terminate called without an active exception`, SIGABRT,
+    exit -6 instead of a drained exit 0. Waiting longer cannot fix it (a wedged call never
+    returns), and a native call cannot be interrupted. Logs and stdio are flushed first; the abandoned
+    call's memory goes back with the process, as after SIGKILL.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
