@@ -308,7 +308,9 @@ class Batcher:
         """The token budget of one batch of `modality`."""
         return self._modality_tokens.get(modality, self.max_batch_tokens)
 
-    async def close(self) -> None:
+    async def close(self) -> list[str]:
+        """Stop scheduling, fail what is in flight, stop the threads; the names of the thread pools
+        still busy after JOIN_TIMEOUT_S (a call into the engine that has not returned)."""
         if self._scheduler is not None:
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -317,9 +319,12 @@ class Batcher:
         self._prep.close()
         self._gpu.close()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
+        busy = []
         for threads in (self._prep, self._gpu):
-            if not await threads.join(deadline - time.monotonic()):  # a wedged engine call: exit without it
+            if not await threads.join(deadline - time.monotonic()):  # a long or wedged engine call
                 log.warning("a worker thread is still busy at shutdown", extra={"threads": threads.name})
+                busy.append(threads.name)
+        return busy
 
     def abort(self, exc: BaseException) -> None:
         """Fail every request in flight with `exc` (drain deadline, shutdown)."""

@@ -43,6 +43,10 @@ def create_app(settings: Settings, engine: EngineAPI | None = None) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # no CDN-loaded pages; the schema itself is at /openapi.json (behind the key)
         redoc_url=None,
+        # `/v1/models/` is a 404, not a 307 to `/v1/models`: Starlette builds that redirect's Location
+        # from the client's Host header, so anyone could make this server answer with a link to theirs.
+        # Clients call the documented paths; none relies on the redirect.
+        redirect_slashes=False,
     )
     app.state.service = service
     install_error_handlers(app)
@@ -66,7 +70,7 @@ def create_app(settings: Settings, engine: EngineAPI | None = None) -> FastAPI:
             allow_headers=["authorization", "content-type", "x-request-id"],
             expose_headers=["x-request-id", "x-queue-time-ms", "x-inference-time-ms"],
         )
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics, routes=app.routes)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

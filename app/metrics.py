@@ -1,12 +1,14 @@
 """Prometheus instruments of one app, in a registry of its own (so several apps can live in one process).
 
 Names follow Prometheus conventions: `_total` counters, `_seconds` and `_bytes` units. Labels stay
-low-cardinality: route templates, status codes, modalities, reasons.
+low-cardinality: route templates, status codes, modalities, reasons. The process itself (resident
+memory, open file descriptors and their limit, CPU seconds) comes from prometheus_client's process
+collector, read from /proc at scrape time (Linux; elsewhere those families are absent).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -16,10 +18,22 @@ _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 1310
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, _open_fds, _cpu_seconds_total
         self.requests = Counter(
             "eg2_requests",
-            "HTTP requests answered, by route template and status",
+            "HTTP requests answered, by route template (`unmatched`: no route serves the path) and status",
             ["route", "status"],
+            registry=r,
+        )
+        self.open_connections = Gauge(
+            "eg2_open_connections", "Client connections open now (what max_connections counts)", registry=r
+        )
+        self.connections_closed = Counter(
+            "eg2_connections_closed",
+            "Connections the server closed before a request reached the app, by reason: header_timeout "
+            "(408, or nothing sent), header_too_large (431), evicted (waiting for a request when a new "
+            "connection needed its place), over_limit (503 at once: max_connections open, none waiting)",
+            ["reason"],
             registry=r,
         )
         self.queue_depth = Gauge(

@@ -1,6 +1,7 @@
 """Pure ASGI middleware, outermost first:
 
-    RequestContext  request id (echoed or generated), access log, request metrics, last-resort 500
+    RequestContext  request id (echoed or generated), access log, request metrics by route (a request
+                    refused before routing counts under the route it was for), last-resort 500
     CORS            only when origins are configured (starlette's)
     Auth            bearer key on every path but the public ones, constant-time compare
     Body            the whole body read up front: 413 past the byte limit (from Content-Length, or while
@@ -19,9 +20,13 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
+from typing import Any
 
+from fastapi.routing import iter_route_contexts
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_body, internal_error_response
@@ -51,10 +56,29 @@ async def _send_error(
     await send({"type": "http.response.body", "body": response.body})
 
 
+def route_template(scope: Scope, routes: Sequence[Any]) -> str:
+    """The template of the route this request is for: the router's choice when it ran, else matched
+    here (the request was refused before routing: 401, 408, 413); `unmatched` when none serves its
+    path. A route that serves the path with another method (405) counts as that route."""
+    if (route := scope.get("route")) is not None:
+        return str(getattr(route, "path", "unmatched"))
+    partial = None
+    for candidate in routes:
+        match, _ = candidate.matches(scope)
+        if match is Match.FULL:
+            return str(candidate.path)
+        if match is Match.PARTIAL and partial is None:
+            partial = str(candidate.path)
+    return partial or "unmatched"
+
+
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute]) -> None:
         self.app = app
         self.metrics = metrics
+        # Built with the middleware stack, at the first request: every route is in by then. Included
+        # routers are flattened into their routes (FastAPI's own walk).
+        self.routes = list(iter_route_contexts(routes))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,9 +112,7 @@ class RequestContextMiddleware:
             status = status or 500
         finally:
             status = status or 499  # no answer sent: the client left while its body was being read
-            route = scope.get("route")
-            template = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(template, str(status)).inc()
+            self.metrics.requests.labels(route_template(scope, self.routes), str(status)).inc()
             access_log.info(
                 "%s %s %d",
                 scope["method"],

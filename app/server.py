@@ -3,7 +3,11 @@
 uvicorn alone stops listening at the first signal and waits for connections, so /ready never
 reports the drain and new requests are refused at TCP level. Here the first signal only starts the
 service's drain (/ready 503, new requests 503, in-flight ones finish within the drain deadline); the
-server stops when the service says so. A second signal stops at once.
+server stops when the service says so. A second signal stops at once. A call into the engine that
+outlives the drain (the batcher waits 1 s for it) ends with the process: see exit_now.
+
+Connections are served by app/connections.py's protocol (header timeout and size, the connection
+cap); `serve` also fits the process's file-descriptor limit to that cap.
 """
 
 from __future__ import annotations
@@ -11,10 +15,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import resource
+import sys
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 
+from app.connections import ConnectionLimits, Connections, protocol_class
 from app.main import create_app
 from app.service import Service
 from app.settings import Settings
@@ -24,9 +32,10 @@ log = logging.getLogger("eg2.server")
 
 
 class Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+    def __init__(self, config: uvicorn.Config, service: Service, connections: Connections) -> None:
         super().__init__(config)
         self.service = service
+        self.connections = connections
         self._signalled = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -47,8 +56,18 @@ class Server(uvicorn.Server):
         return int(self.servers[0].sockets[0].getsockname()[1])
 
 
-def build_server(settings: Settings, engine: EngineAPI | None = None) -> Server:
+def build_server(
+    settings: Settings, engine: EngineAPI | None = None, *, max_connections: int | None = None
+) -> Server:
+    """The server for `settings`; `max_connections` overrides the setting (serve() fits it to the
+    descriptor limit)."""
     app = create_app(settings, engine)
+    limits = ConnectionLimits(
+        max_connections=max_connections or settings.max_connections,
+        header_timeout_s=settings.header_read_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
+    )
+    connections = Connections(limits, app.state.service.metrics)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -61,12 +80,44 @@ def build_server(settings: Settings, engine: EngineAPI | None = None) -> Server:
         # request, fake engine, dev machine: 0.60-0.62 -> 0.52-0.53 ms at 1 client, and
         # at 32: 0.61-0.62 -> 0.44-0.53 ms (docs/results/2026-11-30-cpu/server_cpu_per_request.txt).
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(connections),  # uvicorn's httptools protocol, with the connection limits
+        ws="none",
         # After the drain only idle keep-alive connections remain; do not wait on stragglers.
         timeout_graceful_shutdown=2,
         timeout_keep_alive=5,
     )
-    return Server(config, app.state.service)
+    return Server(config, app.state.service, connections)
+
+
+# Descriptors the server needs besides its client connections: 14 with the tiny model on CPU (the
+# event loop, its pipes, stdio, the listening socket); CUDA adds its device files, and remote media
+# fetches (allow_remote_urls) their sockets.
+FD_RESERVE = 64
+
+
+def fit_descriptor_limit(max_connections: int) -> int:
+    """The connection cap the file-descriptor limit allows: raises the soft RLIMIT_NOFILE toward the
+    hard one when max_connections + FD_RESERVE needs it, and lowers the cap (with a warning) when even
+    that is too small. Past the descriptor limit accept() fails and libuv drops every new connection
+    (/health's too), so the cap must be reached first. The event loop is epoll, so a high limit costs
+    nothing (select() would break past 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections
+    fitted = max(1, soft - FD_RESERVE)
+    log.warning(
+        "max_connections lowered to fit the file-descriptor limit",
+        extra={"max_connections": max_connections, "fitted": fitted, "nofile": soft},
+    )
+    return fitted
 
 
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
@@ -101,10 +152,35 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
 
 
 def serve(settings: Settings, engine: EngineAPI | None = None) -> int:
-    """Run until drained or failed; the process exit code."""
+    """Run until drained or failed; the process exit code. With a worker thread still inside the
+    engine after the drain, ends the process here (exit_now) instead of returning."""
     tune_malloc()
-    server = build_server(settings, engine)
+    server = build_server(settings, engine, max_connections=fit_descriptor_limit(settings.max_connections))
     server.run()
-    if not server.started:
-        return server.service.exit_code or 1
-    return server.service.exit_code
+    service = server.service
+    code = service.exit_code if server.started else service.exit_code or 1
+    if service.busy_threads:
+        log.warning(
+            "exiting without finalizing: a worker thread is still inside the engine",
+            extra={"threads": service.busy_threads, "exit_code": code},
+        )
+        exit_now(code)
+    return code
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process without finalizing the interpreter: for when a worker thread is still in
+    native code (a forward running at the drain deadline, a long decode, a wedged device call).
+
+    Finalizing under such a thread aborts the process. CPython ends a daemon thread that takes the
+    GIL once finalization has begun with pthread_exit; its forced unwind runs through torch's C++
+    frames, and crossing a noexcept one (the destructor of pybind11's GIL-release guard, run when a
+    torch op returns) calls std::terminate: `terminate called without an active exception`, SIGABRT,
+    exit -6 instead of a drained exit 0. Waiting longer cannot fix it (a wedged call never
+    returns), and a native call cannot be interrupted. Logs and stdio are flushed first; the abandoned
+    call's memory goes back with the process, as after SIGKILL.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

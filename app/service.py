@@ -8,12 +8,15 @@ On the way to ready, once warm, the startup heap is frozen out of the garbage co
 
 Loading runs in the background once the server listens, so /ready can answer 503 meanwhile. The
 server (app/server.py) polls `should_exit` and uses `exit_code`; a signal starts `begin_drain`.
+After stop(), `busy_threads` names the worker pools still inside an engine call, which the process
+must not finalize under (app/server.py exit_now).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
 import gc
 import logging
@@ -159,6 +162,7 @@ class Service:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._frozen = False  # this service froze the startup heap (freeze_startup_heap)
+        self.busy_threads: list[str] = []  # worker pools still inside an engine call after stop()
 
     @property
     def engine(self) -> EngineAPI:
@@ -243,7 +247,9 @@ class Service:
     def begin_drain_threadsafe(self) -> None:
         """From a signal handler or another thread."""
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.begin_drain)
+            # A fresh context: a signal lands in whatever code runs, perhaps a request's, whose id the
+            # drain's log lines must not carry.
+            self._loop.call_soon_threadsafe(self.begin_drain, context=contextvars.Context())
         else:
             self.should_exit = True
 
@@ -270,7 +276,7 @@ class Service:
                 await task
         try:
             if self._batcher is not None:
-                await self._batcher.close()
+                self.busy_threads = await self._batcher.close()
         finally:
             if self._frozen:  # back into the oldest generation: collectable again
                 gc.unfreeze()

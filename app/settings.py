@@ -199,6 +199,34 @@ class Settings(BaseSettings):
         "large uploads on slow links.",
     )
 
+    # --- Connections -----------------------------------------------------------------------------
+    header_read_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Longest a client may take to send a request's line and headers, counted from the "
+        "connection's opening (or, on a kept-alive connection, from the request's first byte); then 408 "
+        "(a plain close if nothing was sent) and the connection is closed. Frees descriptors held by idle "
+        "or slow-header (slowloris) clients, which the API key cannot stop: it is read from the headers. "
+        "Too short cuts off clients on very slow links.",
+    )
+    max_header_bytes: int = Field(
+        default=32 * 1024,
+        ge=1024,
+        description="Largest request line plus headers, in bytes; more gets 431 and the connection is "
+        "closed, checked as bytes arrive. Requests here need a few hundred bytes; larger allows long "
+        "tokens or cookies, at that much memory per connection still sending its headers.",
+    )
+    max_connections: int = Field(
+        default=2048,
+        ge=1,
+        description="Most client connections open at once. At the limit, a new connection closes the one "
+        "waiting longest for a request (idle keep-alive, or still sending headers), so /health and "
+        "real clients still get in; when every connection has a request in flight, the new one gets "
+        "503 at once. Kept below the process's file-descriptor limit, which `eg2 serve` raises toward "
+        "its hard limit if needed (past it, every new connection fails). Larger serves more clients "
+        "that keep connections open, at a socket buffer each.",
+    )
+
     # --- Lifecycle -------------------------------------------------------------------------------
     drain_deadline_s: float = Field(
         default=20.0,

@@ -5,8 +5,8 @@ items, stall, or block its warm-up. Its vectors are deterministic (a hash of the
 a test can check that each row came back to the right request, in order. Everything else (HTTP
 contract, batching, lifecycle) runs the real app code on a real uvicorn on 127.0.0.1.
 
-Run as a script, it serves the fake engine in a subprocess (for signal tests):
-    python tests/fake_engine.py [--embed-delay S]      (settings from EG2_* variables)
+Run as a script, it serves the fake engine in a subprocess (for signal and descriptor-limit tests):
+    python tests/fake_engine.py [--embed-delay S] [--torch-busy S] [--nofile N]   (settings: EG2_* variables)
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ TOO_LARGE = "TOO-MANY-PIXELS"  # prepare raises InputTooLargeError (413)
 PREPARE_BUG = "PREPARE-BUG"  # prepare raises RuntimeError (500)
 FORWARD_BUG = "FORWARD-BUG"  # embed raises RuntimeError for any batch holding this item (500 for it alone)
 STALL_HERE = "STALL-HERE"  # embed blocks on a batch holding this item until release()
+TORCH_BUSY = "TORCH-BUSY"  # embed runs torch ops for torch_busy_s on a batch holding this item
 
 
 def _text_of(item: Item) -> str:
@@ -71,6 +72,7 @@ class FakeEngine:
         prepare_delay_s: float = 0.0,
         embed_delay_s: float = 0.0,
         oom_over_items: int | None = None,
+        torch_busy_s: float = 0.0,
     ) -> None:
         self.modalities = frozenset(modalities)
         self.prompts = (
@@ -81,6 +83,7 @@ class FakeEngine:
         self.prepare_delay_s = prepare_delay_s
         self.embed_delay_s = embed_delay_s
         self.oom_over_items = oom_over_items  # embed raises EngineOutOfMemory on larger batches
+        self.torch_busy_s = torch_busy_s
         self.warmup_gate = threading.Event()  # warm-up blocks until set
         self.warmup_gate.set()
         self._running = threading.Event()  # the stall switch: embed blocks while cleared
@@ -179,6 +182,8 @@ class FakeEngine:
         self._running.wait(timeout=120)
         if any(STALL_HERE in p.inputs[1] for p in batch):
             self._unstick.wait(timeout=120)
+        if any(TORCH_BUSY in p.inputs[1] for p in batch):
+            _torch_for(self.torch_busy_s)
         if self.oom_over_items is not None and len(batch) > self.oom_over_items:
             raise EngineOutOfMemory(f"CUDA out of memory on {len(batch)} items")
         if any(FORWARD_BUG in p.inputs[1] for p in batch):
@@ -213,6 +218,17 @@ class FakeEngine:
 
     def batch_sizes(self) -> list[int]:
         return [len(b) for b in self.batches if b and b[0].inputs[1] != "warm-up"]
+
+
+def _torch_for(seconds: float) -> None:
+    """A forward pass as the GPU thread sees it, without a model: many short torch ops, each of which
+    lets go of the GIL and takes it back inside torch's C++ (pybind11's release guard)."""
+    import torch
+
+    x = torch.full((64, 64), 1 / 64)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        x = torch.mm(x, x).clamp_(-1, 1)
 
 
 # --- a real uvicorn on loopback -------------------------------------------------------------------
@@ -353,17 +369,27 @@ def port_from_log(line: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     from app.logs import setup_logging
     from app.server import serve
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--embed-delay", type=float, default=0.0)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--torch-busy", type=float, default=0.0, help=f"seconds of torch ops for {TORCH_BUSY}"
+    )
+    parser.add_argument(
+        "--nofile", type=int, help="file-descriptor limit (soft and hard) of the server process"
+    )
+    args = parser.parse_args(argv)
+    if args.nofile is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
     settings = Settings()
     setup_logging(settings.log_level, settings.log_json)
-    return serve(settings, FakeEngine(embed_delay_s=args.embed_delay))
+    return serve(settings, FakeEngine(embed_delay_s=args.embed_delay, torch_busy_s=args.torch_busy))
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(main())
