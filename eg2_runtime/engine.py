@@ -53,9 +53,9 @@ log = logging.getLogger(__name__)
 # The base (CUDA context, libraries) when NVML cannot measure it: the H200's, 754 MiB after load
 # (benchmarks/probe_memory_media.py, 2026-12-01), rounded up.
 DEFAULT_BASE = 768 * MIB
-# Kernels that load after the base is measured (cuDNN attention in the towers, Triton kernels of
-# other shapes): 8 MiB on the H200 once every modality had run.
-BASE_MARGIN = 16 * MIB
+# Kernels that load after the base is measured (other shapes' Triton and attention kernels): up to
+# 48 MiB on the H200 once the costliest requests had run (the base is measured again once warm).
+BASE_MARGIN = 32 * MIB
 # The graphs' static input buffers: text embeddings up to the largest bucket, tower pixels as uint8.
 STATIC_BUFFERS = 24 * MIB
 
@@ -149,9 +149,8 @@ class Engine:
         torch.cuda.empty_cache()
         # The allocator's hard cap: a batch that does not fit fails (the batcher splits it) instead of
         # taking memory past the budget. Graph pools count too.
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.plan.allocator_limit / total), self.device)
-        pool = GraphPool(self.plan.graph_pool)  # one pool for the text and the tower graphs
+        self._cap_allocator()
+        pool = GraphPool(self.plan.graph_pool, self._process_bytes)  # the text and the tower graphs
         costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
@@ -174,10 +173,7 @@ class Engine:
         """The memory plan for this model, from the base measured now (after a small forward has
         loaded the libraries' kernels)."""
         cfg = self.model.config
-        with torch.inference_mode():
-            embeds = torch.zeros(1, 8, cfg.text.hidden_size, dtype=self.model.dtype, device=self.device)
-            self.model.encode(embeds, torch.ones(1, 8, dtype=torch.long, device=self.device), lean=True)
-        torch.cuda.synchronize(self.device)
+        self._load_kernels()
         reading = self.gpu_memory.read()
         if reading is None:
             log.warning(
@@ -200,6 +196,43 @@ class Engine:
         )
         budget = self.options.gpu_memory_budget
         return plan(budget if budget is not None else default_budget(footprint), footprint)
+
+    @torch.inference_mode()
+    def _load_kernels(self) -> None:
+        """Small forwards through every loaded path, so the libraries load their kernels (memory
+        outside the allocator) before the base is measured: short and banded text, and each tower."""
+        model, dev, dt = self.model, self.device, self.model.dtype
+        h, window = model.config.text.hidden_size, model.config.text.sliding_window
+        for t in (8, 3 * window + 1):
+            model.encode(torch.zeros(1, t, h, dtype=dt, device=dev), torch.ones(1, t, device=dev), lean=True)
+        if model.vision_tower is not None:
+            cfg = model.vision_tower.cfg
+            s = 70 * cfg.pooling_kernel_size**2
+            positions = torch.full((1, s, 2), -1, dtype=torch.long, device=dev)
+            positions[0, 0] = 0
+            model.image_soft_tokens(
+                torch.zeros(1, s, 3 * cfg.patch_size**2, dtype=torch.uint8, device=dev), positions
+            )
+        if model.audio_tower is not None:
+            bins = model.audio_tower.cfg.subsampling_conv_channels[0]
+            features = torch.zeros(1, 256, bins, dtype=dt, device=dev)
+            model.audio_soft_tokens(features, torch.ones(1, 256, dtype=torch.bool, device=dev))
+        torch.cuda.synchronize(dev)
+
+    def _process_bytes(self) -> int | None:
+        reading = self.gpu_memory.read()
+        return reading.bytes if reading is not None else None
+
+    def _cap_allocator(self) -> None:
+        """Cap the allocator at the budget less the base: from the plan's base at first, and again
+        once warm, from the base measured then (kernels and CUDA graph executables loaded since
+        take memory outside the allocator), so the process as a whole stays within the budget."""
+        assert self.plan is not None
+        base = self.plan.base
+        if (now := self._process_bytes()) is not None:
+            base = max(base, now - torch.cuda.memory_reserved(self.device) + BASE_MARGIN)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (self.plan.budget - base) / total), self.device)
 
     def _table_to_host(self) -> None:
         self.report.host_bytes = self.model.language_model.keep_table_on_host()
@@ -303,6 +336,7 @@ class Engine:
             self.graphs = graphs
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+                self._cap_allocator()
         return limits
 
     def _fit(self, one: PreparedItem, n: int) -> int:
@@ -338,12 +372,15 @@ class Engine:
             return 0
         t0 = time.perf_counter()
         short = [(1, t) for t in LENGTH_LADDER if t <= 512] + [(b, 64) for b in (8, 32, 64)]
-        self.graphs.capture_buckets(short)
+        larger = [k for k in short if k[0] * k[1] >= 2048]  # the largest first: see GraphPool
+        self.graphs.capture_buckets(larger)
         towers = self.towers
         if towers is not None:
             towers.capture_startup(
                 IMAGE_TOKEN_BUDGETS[2] if "image" in self.modalities else None, "audio" in self.modalities
             )
+        self.graphs.capture_buckets(k for k in short if k not in larger)
+        self._cap_allocator()
         n = len(self.graphs.graphs) + (len(towers.graphs) if towers is not None else 0)
         log.info("captured %d graphs in %.1f s", n, time.perf_counter() - t0)
         return n

@@ -56,33 +56,41 @@ def rung(ladder: Sequence[int], n: int) -> int | None:
 class GraphPool:
     """One CUDA graph memory pool, shared by the text and the tower graphs, with a byte budget.
 
-    Graphs of different shapes reuse each other's freed blocks only where the sizes happen to fit,
-    so a pool grows by close to each new shape's activations (H200: 238 MiB for the start-up
-    captures, about their sum). What each capture really added is measured (the allocator's
-    reserved bytes around it, the warm-up's cache emptied), and a bucket is captured only while that
-    total plus the bucket's estimate stays within the budget; past it, the bucket runs eagerly.
-    `budget` None: no bound (tests, the CPU path).
+    A capture adds its activations to the pool except where blocks freed by earlier captures fit
+    them: captured largest first, the smaller graphs mostly reuse the larger ones' blocks (the
+    start-up set is captured that way, Engine.capture_graphs). Each capture also adds its graph's
+    executable (kernel parameters: device memory outside the allocator). So what each capture
+    really added is measured, as the process's GPU memory where NVML can read it (else the
+    allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is captured while
+    that total plus its estimate fits the budget, or when it is no larger than a bucket already in
+    the pool (it reuses that one's blocks). Past it, the bucket runs eagerly. `budget` None: no
+    bound (tests, the CPU path).
     """
 
-    def __init__(self, budget: int | None) -> None:
+    def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
         self.handle = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.budget = budget
+        self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # measured bytes the captures added
+        self.largest = 0  # the largest estimate captured so far
 
     def admits(self, estimate: int) -> bool:
-        return self.budget is None or self.used + estimate <= self.budget
+        return self.budget is None or estimate <= self.largest or self.used + estimate <= self.budget
 
-    @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
+    def _now(self) -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved()
+        process = self.read() if self.read is not None else None
+        return process if process is not None else torch.cuda.memory_reserved()
+
+    @contextlib.contextmanager
+    def measuring(self, estimate: int) -> Iterator[None]:
+        before = self._now()
         try:
             yield
         finally:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            self.used += max(0, torch.cuda.memory_reserved() - before)
+            self.used += max(0, self._now() - before)
+            self.largest = max(self.largest, estimate)
 
 
 def capture_graph(
@@ -202,8 +210,8 @@ class GraphedTextEncoder:
 
     def capture_buckets(self, keys: Iterable[tuple[int, int]]) -> int:
         """Capture these buckets now (service boot) rather than on first use, those within the
-        bounds. Returns how many graphs there are."""
-        for key in keys:
+        bounds, largest first (see GraphPool). Returns how many graphs there are."""
+        for key in sorted(keys, key=lambda k: -k[0] * k[1]):
             if self.bucket(*key) == key and key not in self.graphs:
                 self._capture(key)
         return len(self.graphs)
@@ -225,13 +233,14 @@ class GraphedTextEncoder:
             self.graphs[key] = _Captured(None, None)
             return self.graphs[key]
         assert self.pool is not None
-        if not self.pool.admits(self.token_bytes * key[0] * key[1]):
+        estimate = self.token_bytes * key[0] * key[1]
+        if not self.pool.admits(estimate):
             log.info("text graph %s would not fit the graph pool's budget; it runs eagerly", key)
             self.graphs[key] = _Captured(None, None)
             return self.graphs[key]
         t0 = time.perf_counter()
         try:
-            with self.pool.measuring():
+            with self.pool.measuring(estimate):
                 graph, out = capture_graph(self._step, self._inputs(key), self.pool.handle)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
