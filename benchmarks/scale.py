@@ -1,6 +1,6 @@
-"""`python -m app.bench_scale`: does throughput scale with replicas? Short text over HTTP, one run.
+"""`python -m benchmarks.scale`: does throughput scale with replicas? Short text over HTTP, one run.
 
-    python -m app.bench_scale --model DIR [--replicas 1,2] [--ingress proxy,haproxy] [--seconds 6] [--out DIR]
+    python -m benchmarks.scale --model DIR [--replicas 1,2] [--ingress proxy,haproxy] [--seconds 6] [--out DIR]
 
 Phases, each against a fresh server on 127.0.0.1, each driven by client processes of their own (a
 client in the server's interpreter would compete with it for the GIL):
@@ -11,31 +11,27 @@ client in the server's interpreter would compete with it for the GIL):
 Two loads per server: single-text requests at concurrency 64, and 32-text requests at
 concurrency 8 (less HTTP work per item: what the replicas themselves can do). Each load warms up
 (connections opened, graphs captured) for 2 s before its timed window; the load generator is
-app/bench_service.py's `drive`, as in `eg2 bench`'s service sweep. Results go to
---out/scale.json after every phase, so a run cut short keeps what it measured.
+benchmarks/http_load.py's `drive`, as in `eg2 bench`'s sweep. Results go to --out/scale.json after
+every phase, so a run cut short keeps what it measured.
 
-Assumes: `eg2` is importable as `python -m app.cli`; ray[serve] is installed for the ray phases.
+Assumes: run from the checkout's root (`python -m app.cli` must import); the ray phases need the
+[ray] extra.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from app.bench_service import CLIENT_PROCESSES, Request, drive
+from benchmarks.http_load import Request, client_processes, drive
+from benchmarks.server_process import running
 
 WORDS = [
     "search",
@@ -67,16 +63,16 @@ def _request(items: int) -> Request:
 
 
 def load(pool: Executor, url: str, items: int, concurrency: int, seconds: float) -> dict[str, Any]:
-    """2 s untimed (connections open, graphs seen), then the timed window; bench_service.drive does both."""
+    """2 s untimed (connections open, graphs seen), then the timed window; http_load.drive does both."""
     req = _request(items)
-    drive(pool, CLIENT_PROCESSES, url, req, concurrency, 2.0, concurrency)
-    row = drive(pool, CLIENT_PROCESSES, url, req, concurrency, seconds, 2 * concurrency)
+    drive(pool, client_processes(), url, req, concurrency, 2.0, concurrency)
+    row = drive(pool, client_processes(), url, req, concurrency, seconds, 2 * concurrency)
     row["items_per_request"] = items
     return row
 
 
 def inprocess(model: Path, seconds: float) -> dict[str, Any]:
-    """Engine.embed on batches of 32 short texts, prepared once per call, as in `eg2 bench`."""
+    """Engine.prepare_many + embed on batches of 32 short texts, as `eg2 bench` calls the engine."""
     from eg2_runtime.engine import Engine
     from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
@@ -90,38 +86,6 @@ def inprocess(model: Path, seconds: float) -> dict[str, Any]:
         engine.embed(engine.prepare_many(items, opts))  # type: ignore[arg-type]
         n += 1
     return {"items_per_s": n * 32 / (time.perf_counter() - start), "batch": 32}
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server not ready after {timeout:g} s")
-
-
-@contextlib.contextmanager
-def running(
-    cmd: list[str], env: dict[str, str], url: str, ready_timeout: float = 300, stdout: int | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A server command in a session of its own, from ready (its /ready says 200) to stopped:
-    SIGTERM (it drains and, under Ray, shuts its cluster down), then whatever it left is killed."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=stdout)
-    try:
-        _wait_ready(url, proc, ready_timeout)
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=90)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its session
 
 
 def server_phase(
@@ -162,7 +126,7 @@ def main() -> int:
         print("inprocess:", results["phases"]["inprocess"], flush=True)
         save()
     py = [sys.executable, "-m", "app.cli"]
-    with ProcessPoolExecutor(CLIENT_PROCESSES, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(client_processes(), mp_context=multiprocessing.get_context("spawn")) as pool:
         if "serve" in phases:
             print("serve:", flush=True)
             serve_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}

@@ -1,10 +1,10 @@
 """Preprocessing throughput on this CPU: text tokens/s, images/s, audio seconds/s, video clips/s.
 
-    python -m eg2_runtime.preprocess.bench --model DIR [--seconds 2] [--reference]
+    python -m benchmarks.preprocess --model DIR [--seconds 2] [--reference]
 
 Inputs are synthesised here (photos with noise, a 30 s stereo 44.1 kHz recording, a 10 s 30 fps clip)
 and every case starts from the encoded bytes, as a request does. `--reference` times transformers'
-processors on the same bytes (it must be installed: it is a test dependency): PIL decode + the Gemma 4
+processors on the same bytes (the [bench] extra installs them): PIL decode + the Gemma 4
 image processor, the Gemma 4 feature extractor on 16 kHz samples (it cannot resample, so its row starts
 from decoded samples), its PyAV loader + the EmbeddingGemma 2 video processor, and the tokenizer.
 """

@@ -1,7 +1,8 @@
 """What `eg2 bench` runs on: the checkpoints, and the inputs and workloads, the same for every configuration.
 
 Checkpoints: a BF16 one (given, or random weights generated once and cached) and its hybrid-w4
-quantization, with the largest group size its widths allow.
+quantization, with the largest group size its widths allow. Random weights run the same kernels as
+trained ones: nothing measured depends on the values.
 
 Inputs are kept as a client holds them (a string, PNG bytes, 16 kHz mono WAV bytes, H.264 MP4 bytes),
 so every configuration pays its own decoding inside the timed call. Texts are cut to a token count
@@ -9,13 +10,13 @@ measured with the checkpoint's own tokenizer (the demo checkpoint's is one token
 real one is not), and every count is what the text encoder sees: BOS and EOS, media markers and soft
 tokens included. Those counts give tokens/s for every configuration alike.
 
-Two sets of workloads:
-- the matrix: 7 rows (text ~20 / ~500 / ~2200 tokens, image 640x480, audio 9.3 s and 30 s, video of
-  8 frames at 1 fps, 640x360) x the batch sizes, one call of B items each. A text batch holds B
+Three sets of workloads, built once by the orchestrating process and handed to every configuration:
+- the matrix: 7 rows (text ~20 / ~500 / ~2,200 tokens, image 640x480, audio 9.3 s and 30 s, video of
+  8 frames at 1 fps, 640x480) x the batch sizes, one call of B items each. A text batch holds B
   distinct texts of one length; a media batch holds B copies of one file (nothing on either path
-  caches by content).
-- the named workloads of issue 6, with the reference's H200 figures from the issue and the target
-  ratio each must reach, so the report can say met / not met.
+  caches by content);
+- the named workloads of issues #12 and #15, as the outside measurement ran them (docs/BENCH.md);
+- the HTTP sweep's single items: a short text, one image, one clip.
 Quick mode (`QUICK`) keeps every row and workload but shrinks sizes and counts; labels say what ran.
 """
 
@@ -29,17 +30,18 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from eg2_runtime.errors import CheckpointError
 from eg2_runtime.inputs import Item, MediaKind, MediaPart, PrepareOptions, TextPart
-from eg2_runtime.preprocess import Preprocessor
 from eg2_runtime.tools import samples
 
+if TYPE_CHECKING:  # the HTTP client processes unpickle inputs without importing torch
+    from eg2_runtime.preprocess import Preprocessor
+
 Kind = Literal["text", "image", "audio", "video"]
-Metric = Literal["latency_ms", "items_per_s", "tokens_per_s", "ms_per_item"]
 FORMATS = {"image": "png", "audio": "wav", "video": "mp4"}
 MIME = {"image": "image/png", "video": "video/mp4"}
 
@@ -79,18 +81,6 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Named:
-    """A workload of the issue's baseline table and its target, as a ratio ours / reference."""
-
-    key: str
-    metric: Metric
-    better: Literal["lower", "higher"]
-    target: float | None  # the ratio to reach (<= for "lower", >= for "higher"); None: reported only
-    issue_reference: float  # the reference on the H200 (issue 6, 2026-11-29), in the metric's unit
-    workload: Workload
-
-
-@dataclass(frozen=True)
 class Sizes:
     """Input sizes and named-workload counts. Quick mode (a CPU, the tiny model) keeps every row and
     every code path but shrinks what dominates a CPU's time: long texts, long clips, frames, counts."""
@@ -109,9 +99,10 @@ QUICK = Sizes(
     text=(20, 100, 400), audio=(2.0, 5.0), video_frames=2, docs=8, docs_total=32, per_call=8, media=4
 )
 FAMILIES = ("text_short", "text_medium", "text_long", "image", "audio_short", "audio_long", "video")
+TEXT_NAMED = ("short_query", "docs_one_call", "long_doc", "docs_many_calls")
 IMAGE_SIZE = (640, 480)
-NAMED_IMAGE_SIZE = (641, 479)  # the issue's odd size: no dimension a multiple of the 48-pixel grid
-VIDEO_SIZE = (640, 360)
+NAMED_IMAGE_SIZE = (641, 479)  # the outside measurement's size: no side a multiple of the 48-pixel grid
+VIDEO_SIZE = (640, 480)
 
 # Plain words, so a real tokenizer gives ordinary token counts too.
 _VOCABULARY = (
@@ -188,10 +179,49 @@ class Factory:
         return (self.video(sizes.video_frames),) * count
 
 
-def describe(x: Input) -> str:
-    if x.kind == "text":
-        return f"{x.tokens} tokens"
-    return f"{x.kind}, {x.tokens} tokens"
+@dataclass(frozen=True)
+class Workloads:
+    """Everything the configurations run, built once and handed to each of them (pickled)."""
+
+    matrix: tuple[Workload, ...]
+    named: tuple[Workload, ...]
+    sweep: dict[str, Input]  # family -> the single item each request of the HTTP sweep carries
+
+    def describe(self) -> dict[str, object]:
+        def wl(w: Workload) -> dict[str, object]:
+            return {
+                "key": w.key,
+                "family": w.family,
+                "modality": w.modality,
+                "label": w.label,
+                "batch": w.batch,
+                "calls": len(w.calls),
+                "items": w.items,
+                "tokens": w.tokens,
+            }
+
+        return {
+            "matrix": [wl(w) for w in self.matrix],
+            "named": [wl(w) for w in self.named],
+            "sweep": {f: {"modality": x.kind, "tokens": x.tokens} for f, x in self.sweep.items()},
+        }
+
+
+def build(preprocessor: Preprocessor, sizes: Sizes, batch_sizes: tuple[int, ...]) -> Workloads:
+    factory = Factory(preprocessor)
+    return Workloads(
+        tuple(matrix(factory, sizes, batch_sizes)),
+        tuple(named(factory, sizes)),
+        {
+            "text_short": factory.text(sizes.text[0], seed=5000),
+            "image": factory.image(*NAMED_IMAGE_SIZE),
+            "audio_short": factory.audio(sizes.audio[0]),
+        },
+    )
+
+
+def _describe(x: Input) -> str:
+    return f"{x.tokens} tokens" if x.kind == "text" else f"{x.kind}, {x.tokens} tokens"
 
 
 def matrix(factory: Factory, sizes: Sizes, batch_sizes: tuple[int, ...]) -> list[Workload]:
@@ -200,14 +230,14 @@ def matrix(factory: Factory, sizes: Sizes, batch_sizes: tuple[int, ...]) -> list
         for b in batch_sizes:
             calls = (factory.row(family, sizes, b),)
             kind = calls[0][0].kind
-            out.append(
-                Workload(f"{family}/b{b}", family, kind, f"{family} ({describe(calls[0][0])}) x {b}", calls)
-            )
+            label = f"{family} ({_describe(calls[0][0])}) x {b}"
+            out.append(Workload(f"{family}/b{b}", family, kind, label, calls))
     return out
 
 
-def named(factory: Factory, sizes: Sizes) -> list[Named]:
-    """The issue's reference workloads, with `sizes`' counts (the issue's in full mode)."""
+def named(factory: Factory, sizes: Sizes) -> list[Workload]:
+    """The named workloads of issues #12 and #15, with `sizes`' counts (theirs in full mode). Each is
+    measured as the time of one round: all its calls, one after the other."""
     docs, total, per_call, media = sizes.docs, sizes.docs_total, sizes.per_call, sizes.media
 
     def one(key: str, label: str, kind: Kind, calls: list[tuple[Input, ...]]) -> Workload:
@@ -218,104 +248,26 @@ def named(factory: Factory, sizes: Sizes) -> list[Named]:
     mixed = tuple(factory.text(int(n), seed=2000 + i) for i, n in enumerate(lengths))
     long_doc = factory.text(sizes.text[2], seed=3000)
     forty = [factory.text(40, seed=4000 + i) for i in range(total)]
-    odd_image = factory.image(*NAMED_IMAGE_SIZE)
-    image = factory.image(*IMAGE_SIZE)
+    image = factory.image(*NAMED_IMAGE_SIZE)
     clip = factory.audio(sizes.audio[0])
     video = factory.video(sizes.video_frames)
+    w, h = NAMED_IMAGE_SIZE
     return [
-        Named(
-            "short_query",
-            "latency_ms",
-            "lower",
-            1 / 10,
-            66.1,
-            one("short_query", f"1 short query ({short.tokens} tokens), latency", "text", [(short,)]),
-        ),
-        Named(
-            "docs_one_call",
-            "items_per_s",
-            "higher",
-            10.0,
-            687.0,
-            one("docs_one_call", f"{docs} docs of 20-60 tokens, one call", "text", [mixed]),
-        ),
-        Named(
-            "long_doc",
-            "latency_ms",
-            "lower",
-            1 / 5,
-            72.1,
-            one("long_doc", f"1 doc of {long_doc.tokens} tokens, latency", "text", [(long_doc,)]),
-        ),
-        Named(
+        one("short_query", f"1 query ({short.tokens} tokens)", "text", [(short,)]),
+        one("docs_one_call", f"{docs} docs of 20-60 tokens, one call", "text", [mixed]),
+        one("long_doc", f"1 doc of {long_doc.tokens} tokens", "text", [(long_doc,)]),
+        one(
             "docs_many_calls",
-            "tokens_per_s",
-            "higher",
-            10.0,
-            31_200.0,
-            one(
-                "docs_many_calls",
-                f"{total} docs of 40 tokens, in calls of {per_call}",
-                "text",
-                [tuple(forty[i : i + per_call]) for i in range(0, total, per_call)],
-            ),
+            f"{total} docs of 40 tokens, {total // per_call} calls",
+            "text",
+            [tuple(forty[i : i + per_call]) for i in range(0, total, per_call)],
         ),
-        Named(
-            "image_one",
-            "latency_ms",
-            "lower",
-            None,
-            119.0,
-            one("image_one", "1 image 641x479, latency", "image", [(odd_image,)]),
-        ),
-        Named(
-            "images_one_call",
-            "ms_per_item",
-            "lower",
-            1 / 3,
-            22.2,
-            one(
-                "images_one_call",
-                f"{media} images 640x480 in one call, per image",
-                "image",
-                [(image,) * media],
-            ),
-        ),
-        Named(
-            "audio_one",
-            "latency_ms",
-            "lower",
-            None,
-            134.0,
-            one("audio_one", f"1 audio clip of {sizes.audio[0]:g} s, latency", "audio", [(clip,)]),
-        ),
-        Named(
-            "audio_one_call",
-            "ms_per_item",
-            "lower",
-            1 / 3,
-            14.0,
-            one(
-                "audio_one_call",
-                f"{media} clips of {sizes.audio[0]:g} s in one call, per clip",
-                "audio",
-                [(clip,) * media],
-            ),
-        ),
-        Named(
-            "video_one",
-            "latency_ms",
-            "lower",
-            1 / 3,
-            172.0,
-            one("video_one", f"1 video of {sizes.video_frames} frames, latency", "video", [(video,)]),
-        ),
+        one("image_one", f"1 image {w}x{h}", "image", [(image,)]),
+        one("images_one_call", f"{media} images {w}x{h}, one call", "image", [(image,) * media]),
+        one("audio_one", f"1 clip {sizes.audio[0]:g} s", "audio", [(clip,)]),
+        one("audio_one_call", f"{media} clips {sizes.audio[0]:g} s, one call", "audio", [(clip,) * media]),
+        one("video_one", f"1 video, {sizes.video_frames} frames", "video", [(video,)]),
     ]
-
-
-def sweep_inputs(factory: Factory, sizes: Sizes) -> list[tuple[str, Input]]:
-    """One input per matrix row: what each client of the service sweep sends, one item a request."""
-    return [(family, factory.row(family, sizes, 1, seed=5000)[0]) for family in FAMILIES]
 
 
 # ------------------------------------------------------------------------------------- checkpoints
