@@ -92,9 +92,9 @@ def freeze_startup_heap() -> float:
 
     Why: a full (generation 2) collection walks every tracked object with the GIL held, stalling the
     event loop and the GPU thread: 181-192 ms over ~370k objects, against 0.4 ms frozen (dev machine,
-    tiny engine, docs/results/2026-11-30-cpu/gc_pauses.txt). Single-text load brought one in one of
+    tiny engine, benchmarks/gc_pauses.py). Single-text load brought one in one of
     five runs of 20,000 requests; 32-text requests brought them often: server CPU per item 51.0 ->
-    13.5 us with the freeze (fake engine, server_cpu_per_item.txt). The trade-off: a reference cycle
+    13.5 us with the freeze (fake engine, benchmarks/server_cpu.py). The trade-off: a reference cycle
     among frozen objects that later becomes garbage is never collected; the startup heap lives as
     long as the process anyway. Service.stop unfreezes (a test process starts many services).
     """
