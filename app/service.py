@@ -138,6 +138,12 @@ def load_engine(settings: Settings) -> EngineLike:
 
 
 GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
+GPU_MEMORY_KINDS = {
+    "process": "process_gpu_bytes",
+    "budget": "gpu_budget_bytes",
+    "allocated": "gpu_allocated_bytes",
+    "reserved": "gpu_reserved_bytes",
+}
 
 
 class Service:
@@ -335,8 +341,9 @@ class Service:
         memory = self._engine.memory()
         self.metrics.weight_bytes.labels("resident").set(memory.get("weight_bytes_resident", 0))
         self.metrics.weight_bytes.labels("bf16_equivalent").set(memory.get("weight_bytes_bf16_equivalent", 0))
-        for kind in ("process", "budget", "allocated", "reserved"):
-            if (value := memory.get(f"gpu_{kind}_bytes")) is not None:
+        # The engine's keys (Engine.memory) -> the gauge's kinds.
+        for kind, key in GPU_MEMORY_KINDS.items():
+            if (value := memory.get(key)) is not None:
                 self.metrics.gpu_memory_bytes.labels(kind).set(value)
 
     def refresh_metrics(self) -> None:

@@ -19,7 +19,7 @@ FAMILIES = {
     "eg2_dropped_items": "counter",
     "eg2_batch_splits": "counter",
     "eg2_weight_bytes": "gauge",
-    "eg2_gpu_allocated_bytes": "gauge",
+    "eg2_gpu_memory_bytes": "gauge",
     "eg2_ready": "gauge",
 }
 
@@ -68,3 +68,27 @@ def test_metrics_parse_and_move_with_traffic() -> None:
         assert value(after, "eg2_inference_seconds_count") >= 2
         assert value(after, "eg2_batch_tokens_sum", modality="text") == text_tokens
         assert value(after, "eg2_admitted_items") == 0 and value(after, "eg2_queue_depth") == 0
+
+
+class GpuReportingEngine(FakeEngine):
+    """The fake engine, reporting memory as Engine.memory() does on a GPU."""
+
+    def memory(self) -> dict[str, int]:
+        mib = 1 << 20
+        return {
+            "weight_bytes_resident": 1000,
+            "weight_bytes_bf16_equivalent": 4000,
+            "process_gpu_bytes": 1500 * mib,
+            "gpu_budget_bytes": 2000 * mib,
+            "gpu_allocated_bytes": 900 * mib,
+            "gpu_reserved_bytes": 1100 * mib,
+        }
+
+
+def test_gpu_memory_gauges_carry_the_engines_report() -> None:
+    """eg2_gpu_memory_bytes{kind}: the process's own GPU memory beside the budget and the allocator's
+    counters, each read from the engine's report under its own key."""
+    with live(make_settings(), GpuReportingEngine()) as s:
+        samples = scrape(s.url)
+    for kind, mib in (("process", 1500), ("budget", 2000), ("allocated", 900), ("reserved", 1100)):
+        assert value(samples, "eg2_gpu_memory_bytes", kind=kind) == mib << 20, (kind, samples)
