@@ -51,13 +51,15 @@ from typing import Any, Literal
 
 from benchmarks.chart import chart
 from benchmarks.http_load import client_processes
-from benchmarks.process_memory import PeakSampler, memory_record
+from benchmarks.process_memory import PeakSampler, memory_record, settle_device
 from benchmarks.report import markdown, targets
 from benchmarks.served import Served, run_served
 from benchmarks.timing import Budget, Progress, Stopped
 from benchmarks.workloads import FULL, QUICK, TEXT_NAMED, Input, Workloads, build, checkpoints
+from eg2_runtime.gpu_memory import ProcessGpuMemory
 
 ROOT = Path(__file__).resolve().parents[1]  # the source checkout: benchmarks/ sits at its top
+NVML = ProcessGpuMemory()  # the device's figures; this process itself never holds GPU memory
 DEFAULT_CACHE = Path.home() / ".cache" / "eg2" / "bench"
 
 
@@ -262,6 +264,7 @@ def run(opts: Options) -> dict[str, Any]:
                     results["configs"][cfg.key] = head | {"error": "skipped: --time-limit reached"}
                     continue
                 limit = left if opts.quick else min(left, cfg.time_s)
+                settle_device(NVML)  # the previous configuration's memory is back: alone on the GPU
                 model_dir = w4 if cfg.checkpoint == "w4" else bf16
                 progress(f"({cfg.key}) {cfg.label}: starting ({limit:.0f} s at most)")
                 try:
@@ -395,6 +398,8 @@ def _served(
 def _conclude(results: dict[str, Any], t_origin: float, *, complete: bool) -> None:
     """Errors and targets from what has run so far."""
     results["errors"] = _errors(results["configs"])
+    if results["meta"].get("stopped"):
+        results["errors"].append("the run was stopped by a signal before it finished")
     results["meta"]["wall_s"] = time.time() - t_origin
     results["meta"]["complete"] = complete
     results["targets"] = targets(results)

@@ -38,7 +38,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     ax.axvline(1.0, color="black", lw=0.8)
     ax.axvline(3.0, color="red", lw=1, ls="--", label="3x (issue #12, media over HTTP)")
     ax.set_yticks(range(len(named)), [n["key"] for n in named])
-    ax.set_xscale("log")
+    _log_scale(ax, "x")
     ax.set_xlabel("times faster than (c), the reference in-process")
     ax.set_title("named workloads")
     ax.legend(fontsize=7)
@@ -52,7 +52,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
         vals = [cells[key]["call"]["items_per_s"] if ok(cells.get(key)) else 0.0 for key in keys]
         ax.bar([i + (j - 1) * 0.27 for i in range(len(keys))], vals, width=0.27, label=f"({k})")
     ax.set_xticks(range(len(keys)), [key.split("/")[0] for key in keys], rotation=30, fontsize=8)
-    ax.set_yscale("log")
+    _log_scale(ax, "y")
     ax.set_ylabel("items/s")
     ax.set_title(f"in-process throughput at batch {biggest}")
     ax.legend(fontsize=7)
@@ -107,8 +107,15 @@ def chart(results: dict[str, Any], path: Path) -> None:
                 label=f"({k})",
             )
         ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
-        ax.set_yscale("log")
+        _log_scale(ax, "y")
         ax.set_title(title + " (one item per request, C clients)")
         if served:
             ax.legend(fontsize=7)
     fig.savefig(path, dpi=90)
+
+
+def _log_scale(ax: Any, axis: str) -> None:
+    """A log axis where the panel has something positive to draw (a partial run may not)."""
+    values = [p.get_width() if axis == "x" else p.get_height() for p in ax.patches]
+    if any(v > 0 for v in values):
+        (ax.set_xscale if axis == "x" else ax.set_yscale)("log")

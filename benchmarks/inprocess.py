@@ -122,6 +122,7 @@ class Ours:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.device = engine.device
+        self._flops: dict[str, int | None] = {}  # matrix row -> one item's forward FLOPs
 
     def prepare(self, inputs: Sequence[Input]) -> list[PreparedItem]:
         prepared = self.engine.prepare_many([x.item() for x in inputs], OPTIONS)
@@ -137,26 +138,60 @@ class Ours:
         assert vectors.shape[0] == len(inputs)
 
     def extras(self, workload: Workload, budget: Budget, flops: bool) -> dict[str, Any]:
-        """Engine.embed and the engine's forward alone, on the workload's first call prepared once."""
+        """Engine.embed and the engine's forward alone, on the workload's first call prepared once.
+
+        `forward` is the sum of the forwards Engine.embed makes of the batch (one per run of items
+        within the modality's batch token limit, each on inputs already on the device), so a batch
+        the engine splits is timed as it runs, within the process's memory budget."""
         prepared = self.prepare(workload.calls[0])
         out: dict[str, Any] = {}
         embed = device_times_ms(lambda: self.engine.embed(prepared), torch.device("cpu"), budget)
         out["embed"] = ms_stats(embed, len(prepared))
-        ids, on_device = self.engine.device_batch([p.inputs for p in prepared])
+        chunks = self.forwards(prepared)
+        ms_by_size: dict[int, float] = {}  # the runs are all alike but the last: each size timed once
+        for chunk in chunks:
+            if len(chunk) in ms_by_size:
+                continue
+            ids, on_device = self.engine.device_batch([p.inputs for p in chunk])
 
-        @torch.inference_mode()
-        def forward() -> object:  # the engine's path: CUDA graphs where it has them
-            return self.engine.forward(ids, on_device)
+            @torch.inference_mode()
+            def forward(ids: torch.Tensor = ids, on_device: dict[str, torch.Tensor] = on_device) -> object:
+                return self.engine.forward(ids, on_device)  # the engine's path: CUDA graphs where it has them
 
-        @torch.inference_mode()
-        def eager() -> object:  # the same math op by op, which is what a FLOP counter can see
-            return self.engine.model(ids, **on_device)
-
-        out["forward"] = ms_stats(device_times_ms(forward, self.device, budget), len(prepared))
-        n = count_flops(eager) if flops else None
+            ms_by_size[len(chunk)] = float(np.median(device_times_ms(forward, self.device, budget)))
+            del ids, on_device
+        total_ms = sum(ms_by_size[len(chunk)] for chunk in chunks)
+        out["forward"] = ms_stats([total_ms], len(prepared))
+        out["forward_chunks"] = len(chunks)
+        # FLOPs are counted on one item and scaled: every item of a matrix row has the same length,
+        # so a batch of B does B times one item's work (no padding). One item also fits any budget,
+        # where counting a whole batch op by op on the reference path might not.
+        per_item = self.flops_per_item(workload.calls[0][0], workload.family) if flops else None
+        n = per_item * len(prepared) if per_item else None
         out["forward_flops"] = n
-        out["forward_tflops"] = n / (out["forward"]["p50_ms"] / 1000) / 1e12 if n else None
+        out["forward_tflops"] = n / (total_ms / 1000) / 1e12 if n else None
         return out
+
+    def forwards(self, prepared: list[PreparedItem]) -> list[list[PreparedItem]]:
+        """The runs of items Engine.embed gives one forward each: as many as the modality's batch
+        token limit holds at the batch's longest item (a matrix row's items are all that long)."""
+        limit = self.engine.batch_token_limits().get(prepared[0].modality)
+        longest = max(p.num_tokens for p in prepared)
+        n = len(prepared) if limit is None else max(1, limit // longest)
+        return [prepared[i : i + n] for i in range(0, len(prepared), n)]
+
+    def flops_per_item(self, x: Input, family: str) -> int | None:
+        """One item's forward FLOPs, counted once per matrix row on the same math run op by op (a
+        FLOP counter cannot see inside a CUDA graph replay)."""
+        if family not in self._flops:
+            ids, on_device = self.engine.device_batch([p.inputs for p in self.prepare([x])])
+
+            @torch.inference_mode()
+            def eager() -> object:
+                return self.engine.model(ids, **on_device)
+
+            self._flops[family] = count_flops(eager)
+        return self._flops[family]
 
 
 class Reference:

@@ -80,6 +80,19 @@ class PeakSampler:
         return {name: self.peak(a, b) for name, (a, b) in phases.items()}
 
 
+def settle_device(reader: ProcessGpuMemory, timeout_s: float = 5.0) -> None:
+    """Wait until the device's used memory stops falling (a process that just exited has handed its
+    memory back), so the next configuration's baseline is the idle device's. No-op without NVML."""
+    last = reader.device_used_bytes()
+    deadline = time.monotonic() + timeout_s
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = reader.device_used_bytes()
+        if now is None or now >= last:
+            return
+        last = now
+
+
 def memory_record(
     sampler: PeakSampler, points: Mapping[str, int | None], phases: Mapping[str, tuple[float, float]]
 ) -> dict[str, Any]:

@@ -97,7 +97,13 @@ def run_served(
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     out["pid"] = proc.pid
     sampler.start(proc.pid)
-    timer = threading.Timer(time_limit_s, stop, args=(proc, 5))  # past its time: stopped, kept
+    timed_out = threading.Event()
+
+    def out_of_time() -> None:  # what ran is kept; what runs now fails against a stopped server
+        timed_out.set()
+        stop(proc, 5)
+
+    timer = threading.Timer(time_limit_s, out_of_time)
     if math.isfinite(time_limit_s):
         timer.start()
     phase_start = t_start
@@ -123,6 +129,8 @@ def run_served(
         out["info"] = httpx.get(f"{url}/info", timeout=120).json()
     except Exception as e:
         out["error"], out["traceback"] = failure(e)
+        if timed_out.is_set():
+            out["error"] = f"stopped after {time_limit_s:.0f} s (its time limit); what it measured is kept"
         out["error"] += _tail(log_path)
         progress(f"{key} FAILED: {out['error']}")
     except Stopped:
@@ -134,6 +142,8 @@ def run_served(
         out["engine_gpu_gauges"] = gauges
         out["memory"] = memory_record(sampler, out["points"], out["phases"])
         out["exit_code"] = proc.returncode
+    if timed_out.is_set() and not out.get("error"):  # the sweep's rows failed, the steps did not
+        out["error"] = f"stopped after {time_limit_s:.0f} s (its time limit); what it measured is kept"
     if out.get("error", "").startswith("stopped by a signal"):
         raise Stopped(out)
     return out

@@ -63,6 +63,12 @@ class ProcessGpuMemory:
         used = int(nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
         return Reading(max(0, used - (self._baseline or 0)), "nvml-device-delta")
 
+    def device_used_bytes(self) -> int | None:
+        """The whole device's used memory (every process), or None without NVML."""
+        if self._nvml is None:
+            return None
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
     def total_bytes(self) -> int | None:
         if self._nvml is None:
             return None
