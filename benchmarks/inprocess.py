@@ -376,8 +376,8 @@ def run_engine(
     run.data["named"] = measure(runner, workloads.named, budget, progress, _saver(run, "named"))
     run.data["engine_memory"]["named"] = engine.memory()
     run.point("named")
-    # Quick mode times the embed and forward alone at batch 1 only. FLOPs only where issue #15 sets
-    # TFLOP/s against the peak (and images, for comparison): each count is one more forward.
+    # Quick mode times the embed and forward alone at batch 1 only. FLOPs where issue #15 sets
+    # TFLOP/s against the peak (long text), and images for comparison.
     wanted = (lambda w: w.batch == 1) if quick else (lambda w: True)
     run.data["matrix"] = measure(
         runner,
