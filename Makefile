@@ -34,12 +34,12 @@ test-gpu:
 	python3 -m pytest -m gpu -q -s --results $(RESULTS) tests/test_gpu.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app eg2_runtime scripts tests benchmarks
-	$(VENV)/bin/ruff format --check app eg2_runtime scripts tests benchmarks
+	$(VENV)/bin/ruff check app eg2_runtime benchmarks scripts tests
+	$(VENV)/bin/ruff format --check app eg2_runtime benchmarks scripts tests
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix app eg2_runtime scripts tests benchmarks
-	$(VENV)/bin/ruff format app eg2_runtime scripts tests benchmarks
+	$(VENV)/bin/ruff check --fix app eg2_runtime benchmarks scripts tests
+	$(VENV)/bin/ruff format app eg2_runtime benchmarks scripts tests
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

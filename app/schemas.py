@@ -325,7 +325,7 @@ def encode_embeddings(vectors: np.ndarray, *, encoding_format: str, model: str, 
     Floats are written by orjson, each as the shortest decimal that reads back to the same float32 (as
     TEI's serde_json writes f32): parsed as float32, they are exactly the vector base64 carries. The
     stdlib's json wrote each float32 widened to a double: 32 x 768 floats took 9.8 ms of the event
-    loop (0.47 ms now) and 1.7x the bytes (docs/results/2026-11-30-cpu/encode_embeddings.txt).
+    loop (0.47 ms now) and 1.7x the bytes (benchmarks/encode_embeddings.py).
     """
     rows: list[Any]
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)  # (N, D), native order: what orjson reads

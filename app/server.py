@@ -78,7 +78,7 @@ def build_server(
         # Pinned, not auto-detected, so every install runs what the tests ran: libuv's event loop and
         # the llhttp parser in C instead of asyncio's loop and h11 in Python. Server CPU per short
         # request, fake engine, dev machine: 0.60-0.62 -> 0.52-0.53 ms at 1 client, and
-        # at 32: 0.61-0.62 -> 0.44-0.53 ms (docs/results/2026-11-30-cpu/server_cpu_per_request.txt).
+        # at 32: 0.61-0.62 -> 0.44-0.53 ms (benchmarks/server_cpu.py).
         loop="uvloop",
         http=protocol_class(connections),  # uvicorn's httptools protocol, with the connection limits
         ws="none",

@@ -96,9 +96,9 @@ def freeze_startup_heap() -> float:
 
     Why: a full (generation 2) collection walks every tracked object with the GIL held, stalling the
     event loop and the GPU thread: 181-192 ms over ~370k objects, against 0.4 ms frozen (dev machine,
-    tiny engine, docs/results/2026-11-30-cpu/gc_pauses.txt). Single-text load brought one in one of
+    tiny engine, benchmarks/gc_pauses.py). Single-text load brought one in one of
     five runs of 20,000 requests; 32-text requests brought them often: server CPU per item 51.0 ->
-    13.5 us with the freeze (fake engine, server_cpu_per_item.txt). The trade-off: a reference cycle
+    13.5 us with the freeze (fake engine, benchmarks/server_cpu.py). The trade-off: a reference cycle
     among frozen objects that later becomes garbage is never collected; the startup heap lives as
     long as the process anyway. Service.stop unfreezes (a test process starts many services).
     """
@@ -142,6 +142,12 @@ def load_engine(settings: Settings) -> EngineAPI:
 
 
 GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
+GPU_MEMORY_KINDS = {
+    "process": "process_gpu_bytes",
+    "budget": "gpu_budget_bytes",
+    "allocated": "gpu_allocated_bytes",
+    "reserved": "gpu_reserved_bytes",
+}
 
 
 class Service:
@@ -337,14 +343,10 @@ class Service:
         memory = self._engine.memory()
         self.metrics.weight_bytes.labels("resident").set(memory.get("weight_bytes_resident", 0))
         self.metrics.weight_bytes.labels("bf16_equivalent").set(memory.get("weight_bytes_bf16_equivalent", 0))
-        on_gpu = {
-            "process": memory.get("process_gpu_bytes"),
-            "budget": memory.get("gpu_budget_bytes"),
-            "allocated": memory.get("gpu_allocated_bytes"),
-            "reserved": memory.get("gpu_reserved_bytes"),
-        }
-        for kind, value in on_gpu.items():
-            if value is not None:
+        # The engine's keys (Engine.memory) -> the gauge's kinds.
+        for kind, key in GPU_MEMORY_KINDS.items():
+            value = memory.get(key)
+            if isinstance(value, int):
                 self.metrics.gpu_memory_bytes.labels(kind).set(value)
 
     def refresh_metrics(self) -> None:

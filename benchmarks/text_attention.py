@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from eg2_runtime.tools.bench_measure import Budget, device_times_ms, matmul_peak_tflops
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eg2_runtime import packed_attention
@@ -53,7 +54,6 @@ from eg2_runtime.model import pool
 from eg2_runtime.packed_attention import PackedAttention
 from eg2_runtime.packing import Packing
 from eg2_runtime.text import TextEncoder, attention_masks
-from eg2_runtime.tools.bench_measure import Budget, device_times_ms, matmul_peak_tflops
 from eg2_runtime.tools.demo_model import write_demo_model
 
 CUDA_COMBOS = {
@@ -266,7 +266,8 @@ def attention_kind(
         padded[1:] = [y.repeat_interleave(nh // kv, dim=1) for y in padded[1:]]
 
     def sdpa() -> torch.Tensor:
-        return F.scaled_dot_product_attention(*padded, attn_mask=mask, scale=1.0, enable_gqa=gqa)
+        q_, k_, v_ = padded
+        return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=1.0, enable_gqa=gqa)  # type: ignore[arg-type]
 
     def timed(call: Callable[[], torch.Tensor]) -> dict[str, Any]:
         call()
@@ -285,14 +286,15 @@ def attention_kind(
             return PackedAttention(packing, cfg, chosen, block_size=block)(kind, q, k, v)
 
         name = backend if block == 128 else f"{backend} (blocks of {block})"
-        run.measure("attention", label, name, lambda call=call: timed(call))
+        run.measure("attention", label, name, lambda call=call: timed(call))  # type: ignore[misc]
 
     if kind == FULL and len(lengths) == 1:
         # One item needs no mask at all: every exact kernel that takes head_dim 512 is a candidate.
         def sdpa_with(backend: SDPBackend) -> Callable[[], torch.Tensor]:
             def call() -> torch.Tensor:
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(*padded, scale=1.0)
+                    q_, k_, v_ = padded
+                    return F.scaled_dot_product_attention(q_, k_, v_, scale=1.0)
 
             return call
 
@@ -307,7 +309,7 @@ def attention_kind(
             ("sdpa efficient", sdpa_with(SDPBackend.EFFICIENT_ATTENTION)),
             ("matmul + softmax", matmul),
         ):
-            run.measure("attention", label, label_, lambda c=call_: timed(c))
+            run.measure("attention", label, label_, lambda c=call_: timed(c))  # type: ignore[misc]
 
 
 def flex_512_section(run: Run, cfg: TextConfig, name: str, lengths: list[int]) -> None:

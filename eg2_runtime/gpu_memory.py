@@ -25,8 +25,9 @@ class Reading:
 
 
 class ProcessGpuMemory:
-    """Reads this process's GPU memory on one device. Build it before CUDA is initialised, so the
-    fallback's baseline excludes this process's own context."""
+    """Reads a process's GPU memory on one device: this process's, or another's by its PID (the
+    benchmark reads the process under test from outside it). Build it before the process it reads
+    initialises CUDA, so the fallback's baseline excludes that process's own context."""
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -47,12 +48,12 @@ class ProcessGpuMemory:
     def available(self) -> bool:
         return self._nvml is not None
 
-    def read(self) -> Reading | None:
-        """This process's GPU memory now, or None without NVML."""
+    def read(self, pid: int | None = None) -> Reading | None:
+        """The GPU memory of process `pid` (this process when None) now, or None without NVML."""
         nvml = self._nvml
         if nvml is None:
             return None
-        pid = os.getpid()
+        pid = os.getpid() if pid is None else pid
         for query in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
             try:
                 for p in query(self._handle):
@@ -62,6 +63,12 @@ class ProcessGpuMemory:
                 continue
         used = int(nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
         return Reading(max(0, used - (self._baseline or 0)), "nvml-device-delta")
+
+    def device_used_bytes(self) -> int | None:
+        """The whole device's used memory (every process), or None without NVML."""
+        if self._nvml is None:
+            return None
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
     def total_bytes(self) -> int | None:
         if self._nvml is None:

@@ -14,6 +14,8 @@ import pytest
 from fake_engine import FakeEngine, image_part, live, make_settings
 from prometheus_client.parser import text_string_to_metric_families
 
+from eg2_runtime.api import EngineMemory
+
 FAMILIES = {
     "eg2_requests": "counter",
     "eg2_queue_depth": "gauge",
@@ -156,3 +158,27 @@ def test_process_memory_descriptors_and_cpu_are_exported() -> None:
                 sock.close()
         grew = value(after, "process_open_fds") - value(before, "process_open_fds")
         assert 70 <= grew <= 90, f"40 connections moved process_open_fds by {grew:g} (expected ~80)"
+
+
+class GpuReportingEngine(FakeEngine):
+    """The fake engine, reporting memory as Engine.memory() does on a GPU."""
+
+    def memory(self) -> EngineMemory:  # type: ignore[override]
+        mib = 1 << 20
+        return {
+            "weight_bytes_resident": 1000,
+            "weight_bytes_bf16_equivalent": 4000,
+            "process_gpu_bytes": 1500 * mib,
+            "gpu_budget_bytes": 2000 * mib,
+            "gpu_allocated_bytes": 900 * mib,
+            "gpu_reserved_bytes": 1100 * mib,
+        }
+
+
+def test_gpu_memory_gauges_carry_the_engines_report() -> None:
+    """eg2_gpu_memory_bytes{kind}: the process's own GPU memory beside the budget and the allocator's
+    counters, each read from the engine's report under its own key."""
+    with live(make_settings(), GpuReportingEngine()) as s:
+        samples = scrape(s.url)
+    for kind, mib in (("process", 1500), ("budget", 2000), ("allocated", 900), ("reserved", 1100)):
+        assert value(samples, "eg2_gpu_memory_bytes", kind=kind) == mib << 20, (kind, samples)

@@ -149,9 +149,24 @@ def test_demo_model_quantize_and_embed_commands(tmp_path: Path, capsys: pytest.C
 
 
 def test_bench_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`eg2 bench` hands its arguments on untouched and injects the app's service runner for (d)."""
-    from app.bench_service import run_service
-
-    calls = fake_module(monkeypatch, "eg2_runtime.tools.bench", main=3)
+    """`eg2 bench` finds the benchmarks in this source checkout and hands them its arguments untouched."""
+    assert cli.checkout_root() == REPO
+    calls = fake_module(monkeypatch, "benchmarks.bench", main=3)
     assert cli.main(["bench", "--model", "m", "--batch", "8"]) == 3
-    assert calls == [("main", (["--model", "m", "--batch", "8"],), {"service": run_service})]
+    assert calls == [("main", (["--model", "m", "--batch", "8"],), {})]
+
+
+def test_bench_from_an_installed_wheel_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wheel ships app/ and eg2_runtime/ only: there `eg2 bench` explains, and runs nothing."""
+    import app
+
+    site = tmp_path / "site-packages"
+    (site / "app").mkdir(parents=True)
+    monkeypatch.setattr(app, "__file__", str(site / "app" / "__init__.py"))
+    assert cli.checkout_root() is None
+    calls = fake_module(monkeypatch, "benchmarks.bench", main=0)
+    assert cli.main(["bench", "--quick"]) == 2
+    assert calls == []
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err

@@ -1,14 +1,20 @@
 """The layering rules, checked on the source: the runtime never imports the app nor transformers'
-modeling code (transformers is the reference, in tests and in the benchmark's reference config only)."""
+modeling code (transformers is the reference: tests and the benchmark's reference configuration only);
+the product (app/, eg2_runtime/) holds no benchmark and never imports benchmarks/, which is not shipped."""
 
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
-RUNTIME = Path(__file__).resolve().parents[1] / "eg2_runtime"
-# Reference-only imports allowed in the benchmarks, which time the reference on purpose.
-BENCHMARKS = {"tools/bench_measure.py", "preprocess/bench.py"}
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME = REPO / "eg2_runtime"
+PRODUCT = (REPO / "app", RUNTIME)
+# `eg2 bench` is a product command that runs benchmarks/ from a source checkout (app/cli.py _bench).
+BENCH_ENTRY = REPO / "app" / "cli.py"
+REFERENCE = {"transformers", "sentence_transformers"}
 
 
 def imports(path: Path) -> set[str]:
@@ -21,6 +27,10 @@ def imports(path: Path) -> set[str]:
     return names
 
 
+def product_files() -> list[Path]:
+    return [p for root in PRODUCT for p in root.rglob("*.py")]
+
+
 def test_runtime_never_imports_the_app() -> None:
     offenders = {
         str(p.relative_to(RUNTIME)): sorted(n for n in imports(p) if n == "app" or n.startswith("app."))
@@ -29,19 +39,34 @@ def test_runtime_never_imports_the_app() -> None:
     assert not {k: v for k, v in offenders.items() if v}, offenders
 
 
-def test_runtime_never_imports_transformers_modeling_code() -> None:
-    found = {}
-    for p in RUNTIME.rglob("*.py"):
-        rel = str(p.relative_to(RUNTIME))
-        names = [n for n in imports(p) if n.split(".")[0] in {"transformers", "sentence_transformers"}]
-        if names and rel not in BENCHMARKS:
-            found[rel] = names
-        if any("modeling" in n for n in names):
-            found[rel] = names
-    assert not found, f"transformers imported by the runtime: {found}"
+def test_product_never_imports_the_reference() -> None:
+    found = {
+        str(p.relative_to(REPO)): sorted(n for n in imports(p) if n.split(".")[0] in REFERENCE)
+        for p in product_files()
+    }
+    assert not {k: v for k, v in found.items() if v}, f"the reference imported by the product: {found}"
 
 
-APP = RUNTIME.parent / "app"
+def test_no_benchmark_inside_the_product() -> None:
+    named = [str(p.relative_to(REPO)) for p in product_files() if re.search(r"bench|probe", p.name)]
+    assert not named, f"benchmark modules in the product: {named} (they belong in benchmarks/)"
+    importers = {
+        str(p.relative_to(REPO)): sorted(n for n in imports(p) if n.split(".")[0] == "benchmarks")
+        for p in product_files()
+        if p != BENCH_ENTRY
+    }
+    assert not {k: v for k, v in importers.items() if v}, importers
+
+
+def test_benchmarks_are_not_shipped() -> None:
+    """Neither in the wheel (its packages) nor in the image (.dockerignore)."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert config["tool"]["setuptools"]["packages"]["find"]["include"] == ["app*", "eg2_runtime*"]
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert "benchmarks" in ignored
+
+
+APP = REPO / "app"
 # What the app may import from the runtime at module level: the torch-free contract.
 CONTRACT = {"eg2_runtime", "eg2_runtime.api", "eg2_runtime.errors", "eg2_runtime.inputs"}
 HEAVY = ("torch", "PIL", "soundfile", "av", "tokenizers", "safetensors", "soxr", "triton")
@@ -63,8 +88,6 @@ def test_app_imports_only_the_contract_of_the_runtime() -> None:
     errors only, and no tensor or media library; the engine is imported where a model loads."""
     found = {}
     for p in APP.rglob("*.py"):
-        if p.name.startswith("bench"):
-            continue  # lab code, moving out of the package
         names = module_level_imports(p)
         bad = sorted(
             n

@@ -21,7 +21,7 @@ import pytest
 from load import free_port
 from ray_cluster import kill_one_under_load, replicas_seen, vectors_by_replica
 
-from app.bench_scale import running
+from benchmarks.server_process import running
 
 pytestmark = pytest.mark.slow
 # What a client gets from HAProxy itself under Ray: its errorfile for 502, 503 and 504.

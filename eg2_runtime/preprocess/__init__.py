@@ -7,7 +7,6 @@ video.py         decode, 1 fps sampling (<= 32 frames), per-frame patches
 layout.py        the token sequence: markers, placeholders, truncation; `Prepared`
 preprocessor.py  `Preprocessor`: all of the above for one model directory
 limits.py        `MediaLimits`: size limits checked before decoding
-bench.py         throughput on this CPU (`python -m eg2_runtime.preprocess.bench --model DIR`)
 """
 
 from eg2_runtime.preprocess.layout import Prepared
