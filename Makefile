@@ -40,6 +40,7 @@ format: $(STAMP)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict docker/healthcheck.py docker/image_test.py
 
 check: lint typecheck test
 

@@ -131,7 +131,10 @@ class Run:
 
     def as_host_user(self) -> list[str]:
         args = ["--user", f"{os.getuid()}:{os.getgid()}"]
-        if self.engine == "podman" and self.cli("info", "-f", "{{.Host.Security.Rootless}}").stdout.strip() == "true":
+        if (
+            self.engine == "podman"
+            and self.cli("info", "-f", "{{.Host.Security.Rootless}}").stdout.strip() == "true"
+        ):
             args.append("--userns=keep-id")
         return args
 
@@ -182,7 +185,7 @@ class Run:
         status, _ = self.curl("/v1/embeddings", self.body("nokey", {"input": "x"}), key=False)
         check(status == 401, f"a request without the key got {status}, not 401")
         self.say("POST /v1/embeddings without the key: 401")
-        requests = {
+        requests: dict[str, dict[str, Any]] = {
             "text": {"input": ["a photo of a cat", "a dog barking"], "dimensions": 256},
             "image": {"input": [{"type": "image_url", "image_url": {"url": self.data_uri("image.png", "image/png")}}]},
             "audio": {"input": [{"type": "input_audio", "input_audio": {
@@ -210,10 +213,14 @@ class Run:
         status, text = self.curl("/metrics")
         check(status == 200, f"/metrics: {status}")
         lines = text.decode().splitlines()
-        answered = [ln for ln in lines if ln.startswith('eg2_requests_total{route="/v1/embeddings",status="200"}')]
+        answered = [
+            ln for ln in lines if ln.startswith('eg2_requests_total{route="/v1/embeddings",status="200"}')
+        ]
         check(bool(answered) and float(answered[0].split()[-1]) >= 4, f"/metrics: {answered}")
         batches = {
-            ln.split('"')[1]: int(float(ln.split()[-1])) for ln in lines if ln.startswith("eg2_batch_size_count{")
+            ln.split('"')[1]: int(float(ln.split()[-1]))
+            for ln in lines
+            if ln.startswith("eg2_batch_size_count{")
         }
         self.say(f"GET /metrics: 401 without the key, 200 with it; {answered[0]}; batches by "
                  f"modality: {batches}")  # fmt: skip
@@ -233,8 +240,12 @@ class Run:
         touch = self.cli("exec", self.name, "touch", "/models/probe", ok=False)
         check(touch.returncode != 0, "the service user could write /models")
         self.say(f"/models in the running container: not writable ({touch.stderr.strip()})")
-        check(facts["models_owner"] == [0, 0] and facts["models_mode"] == "0o755", f"image's /models: {facts}")
-        self.say(f"/models in the image: owned by root, mode {facts['models_mode'][2:]} (uid {SERVICE_UID} reads it)")
+        check(
+            facts["models_owner"] == [0, 0] and facts["models_mode"] == "0o755", f"image's /models: {facts}"
+        )
+        self.say(
+            f"/models in the image: owned by root, mode {facts['models_mode'][2:]} (uid {SERVICE_UID} reads it)"
+        )
         if self.variant == "cpu":
             check(not facts["compilers"], f"compilers in the CPU image: {facts['compilers']}")
             check(facts["torch_cuda"] is None, f"the CPU image has a CUDA build of torch: {facts['torch']}")
