@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # (its video processor needs torchvision; the 2.13.0 CPU wheel alone has no importable torchvision).
 TORCH   ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install run test test-gpu lint format typecheck check bench wheelhouse clean
+.PHONY: install run test test-gpu lint format typecheck check bench wheelhouse image image-test image-setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,15 +34,16 @@ test-gpu:
 	python3 -m pytest -m gpu -q -s --results $(RESULTS) tests/test_gpu.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app eg2_runtime benchmarks scripts tests
-	$(VENV)/bin/ruff format --check app eg2_runtime benchmarks scripts tests
+	$(VENV)/bin/ruff check app eg2_runtime benchmarks scripts tests docker
+	$(VENV)/bin/ruff format --check app eg2_runtime benchmarks scripts tests docker
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix app eg2_runtime benchmarks scripts tests
-	$(VENV)/bin/ruff format app eg2_runtime benchmarks scripts tests
+	$(VENV)/bin/ruff check --fix app eg2_runtime benchmarks scripts tests docker
+	$(VENV)/bin/ruff format app eg2_runtime benchmarks scripts tests docker
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict docker/healthcheck.py docker/image_test.py
 
 check: lint typecheck test
 
@@ -60,6 +61,25 @@ WHEEL_PLATFORM ?= manylinux_2_39_x86_64
 WHEEL_HOST     ?= scripts/h200-packages.txt
 wheelhouse: $(STAMP)
 	$(PY) scripts/wheelhouse.py --python $(WHEEL_PYTHON) --platform $(WHEEL_PLATFORM) --host $(WHEEL_HOST) --dest .whl
+
+## The container image (docker/). `make image` builds it with docker or podman, whichever works
+## here; `make image-test` runs it and checks it from outside (docker/image_test.py says what).
+## Optional, for networks that are not the open internet (README, "Building offline or behind a
+## proxy"): CPU_BASE, CUDA_BASE, TORCH_INDEX, TORCH_WHEELS, TORCH_VERSION, CA_BUNDLE, ENGINE
+## (docker/image.sh says what each does); empty means the public default. `make image-setup`
+## sets up podman on a Debian host and records what this host needs (`make image` runs it when no
+## engine works and it can).
+VARIANT ?= cpu
+IMAGE   ?= eg2-serve:$(VARIANT)
+
+image:
+	VARIANT=$(VARIANT) IMAGE=$(IMAGE) docker/image.sh build
+
+image-test: image
+	VARIANT=$(VARIANT) IMAGE=$(IMAGE) docker/image.sh test
+
+image-setup:
+	docker/setup-podman-debian.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -93,6 +93,14 @@ def test_grace_period_covers_prestop_plus_drain() -> None:
     assert grace_s <= prestop_s + drain_s + 15, (grace_s, prestop_s, drain_s)
 
 
+def test_container_keeps_the_images_init() -> None:
+    # `command` would replace the image's ENTRYPOINT (tini -- eg2): eg2 would be PID 1, with no one
+    # reaping its children and the kernel's PID-1 signal rules applying to it.
+    container = _container(_one("Deployment"))
+    assert "command" not in container, container.get("command")
+    assert container["args"] == ["serve"]
+
+
 def test_one_gpu_non_root_and_readiness_gated_rollout() -> None:
     deployment = _one("Deployment")
     pod = deployment["spec"]["template"]["spec"]
@@ -102,8 +110,9 @@ def test_one_gpu_non_root_and_readiness_gated_rollout() -> None:
     assert pod["securityContext"]["runAsUser"] == 10001  # the uid docker/Dockerfile creates
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert _env(container)["EG2_MODEL"].startswith("/models") and "/models" in mounts
+    assert mounts["/models"].get("readOnly") is True, "the service reads weights, never writes them"
 
 
 def test_hpa_scales_on_queue_depth_with_cpu_fallback() -> None:
