@@ -117,6 +117,6 @@ def rms_norm_rope(
         ROUND_BF16=x.dtype == torch.bfloat16,
         BLOCK_ROWS=block_rows,
         BLOCK=block,
-        num_warps=4,
+        num_warps=8,  # 16 values a thread: x, its partner, weights, cos and sin stay in registers
     )
     return out.view(x.shape)

@@ -28,7 +28,7 @@ from eg2_runtime.tools import samples
 from eg2_runtime.tools.demo_model import write_demo_model
 from eg2_runtime.tools.quantize import quantize_checkpoint
 from eg2_runtime.tower_graphs import GraphedTowers
-from tests.test_gpu import record
+from tests.test_gpu import SHARED_BUDGET, record
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +51,8 @@ def w4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _engine(model_dir: Path, dtype: torch.dtype) -> Engine:
-    options = EngineOptions(graph_max_tokens=0, fused_norms=False)  # every module on torch until switched
+    # Every module on torch until switched; a budget that holds the test's engines side by side.
+    options = EngineOptions(gpu_memory_budget=SHARED_BUDGET, graph_max_tokens=0, fused_norms=False)
     return Engine.from_dir(model_dir, device="cuda", dtype=dtype, options=options)
 
 
@@ -110,7 +111,8 @@ def test_fused_vision_tower_in_cuda_graphs(w4: Path, results: Path | None) -> No
     use_fused_kernels(engine.model)
     with torch.inference_mode():
         eager = engine.model.image_soft_tokens(pixels, positions)
-        towers = GraphedTowers(engine.model)
+        slots = pixels.shape[0] * pixels.shape[1]  # one bucket for the whole batch
+        towers = GraphedTowers(engine.model, vision_slots=slots, audio_tokens=0, tower_slots=slots)
         graphed = towers.image_soft_tokens(pixels, positions).clone()
         again = towers.image_soft_tokens(pixels, positions)
     captured = [key for key, c in towers.graphs.items() if c.graph is not None]

@@ -99,14 +99,16 @@ def test_fused_model_matches_reference_path(tiny_fp32: Path, tiny_bf16: Path) ->
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_additive_mask_gives_the_bool_masks_attention(dtype: torch.dtype) -> None:
-    """SDPA with the additive mask built once equals SDPA with the bool mask, bit for bit, including
-    rows whose first keys are masked and padding rows that see only themselves."""
+    """SDPA with the additive mask built once equals SDPA with the bool mask, bit for bit: items whose
+    first keys are hidden, a padded image (padding at the end) and an item with no valid key (a
+    graph's padding item, which key_padding_mask lets see its first key)."""
     gen = torch.Generator().manual_seed(0)
-    valid = torch.rand(3, 50, generator=gen) > 0.4
-    valid[0, :20] = False  # the first keys hidden
-    valid[1, 30:] = False  # a padded image: padding at the end
+    valid = torch.rand(4, 50, generator=gen) > 0.4
+    valid[0, :20] = False
+    valid[1, 30:] = False
+    valid[3] = False
     keep = key_padding_mask(valid)
-    q, k, v = (torch.randn(3, 4, 50, 16, generator=gen, dtype=dtype) * 3 for _ in range(3))
+    q, k, v = (torch.randn(4, 4, 50, 16, generator=gen, dtype=dtype) * 3 for _ in range(3))
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     got = F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(keep, dtype))
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
