@@ -6,7 +6,7 @@ checkpoint, hybrid-w4 as served, BF16 (run on the H200):
 - the fused tower against the reference tower: per image, the cosine of all its soft tokens >= 0.9999,
   and no further from the FP32 tower than the BF16 reference is (3x its distance + 1e-5, the rule
   test_gpu.py holds the fused RMSNorm to); smooth images, as bf16 vision with random weights is
-  ill-conditioned on noise (MODEL.md);
+  ill-conditioned on noise (docs/CORRECTNESS.md);
 - the fused tower inside CUDA graphs (tower_graphs.GraphedTowers): captured, two replays bit-identical,
   and equal to the eager fused tower to 1e-5 in cosine (bucket padding changes cuBLAS's choices).
 Times are the benchmark's (benchmarks/vision_kernels.py), not a test's. Figures go to --results.
