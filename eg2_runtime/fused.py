@@ -22,6 +22,8 @@ from torch import nn
 from eg2_runtime.layers import GatedMLP, RMSNorm
 from eg2_runtime.vision import VisionAttention, VisionLayer
 
+FUSABLE = (RMSNorm, GatedMLP, VisionAttention, VisionLayer)
+
 
 def use_fused_kernels(model: nn.Module, enable: bool = True) -> int:
     """Point every module of `model` that has a fused kernel at it (or back at its reference with
@@ -33,9 +35,6 @@ def use_fused_kernels(model: nn.Module, enable: bool = True) -> int:
             m.fused = kernels.get(type(m))
             fused += m.fused is not None
     return fused
-
-
-FUSABLE = (RMSNorm, GatedMLP, VisionAttention, VisionLayer)
 
 
 def _kernels() -> dict[type[nn.Module], Any]:
