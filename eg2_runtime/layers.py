@@ -17,8 +17,8 @@ class RMSNorm(nn.Module):
     """Gemma RMSNorm: `x * (mean(x^2) + eps)^-0.5 * w`, computed in fp32 (w, not 1 + w).
 
     `with_scale=False` is the parameter-free variant (v_norm, the multimodal embedders).
-    `fused`: the one-kernel Triton version (rmsnorm_triton.py), set by `use_fused_norms` on CUDA;
-    None runs `reference`.
+    `fused`: the one-kernel Triton version (rmsnorm_triton.rms_norm), set by `use_fused_norms` or
+    fused.use_fused_kernels on a CUDA model; None runs `reference`.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, with_scale: bool = True) -> None:
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.fused: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.is_cuda:
+        if self.fused is not None:
             return self.fused(x, self.weight, self.eps)
         return self.reference(x)
 
@@ -67,7 +67,11 @@ def rope_cos_sin(
 
 
 class GatedMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)). `linear` builds the three projections (plain or clippable)."""
+    """down(gelu_tanh(gate(x)) * up(x)). `linear` builds the three projections (plain or clippable).
+
+    `fused`: gelu_tanh(gate) * up in one kernel (mlp_triton.gelu_tanh_mul), set by
+    fused.use_fused_kernels; None runs the torch reference.
+    """
 
     def __init__(
         self, hidden: int, intermediate: int, linear: type[nn.Module] | None = None, **kw: object
@@ -77,8 +81,11 @@ class GatedMLP(nn.Module):
         self.gate_proj = make(hidden, intermediate, **kw)
         self.up_proj = make(hidden, intermediate, **kw)
         self.down_proj = make(intermediate, hidden, **kw)
+        self.fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.down_proj(self.fused(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
@@ -126,9 +133,26 @@ def key_padding_mask(valid: torch.Tensor) -> torch.Tensor:
     return (valid | (empty & first))[:, None, None, :]
 
 
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool SDPA mask (True = attend) as the additive mask SDPA makes of it on every call: 0 where
+    kept, the dtype's lowest value elsewhere. Build it once per forward and pass it to every layer.
+
+    The lowest finite value rather than -inf (SDPA's cuDNN path uses a finite one too): each row
+    keeps at least one key (key_padding_mask), so a masked key's weight underflows to exactly 0
+    either way, and the outputs equal those of the bool mask bit for bit.
+    """
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(
+        ~keep, torch.finfo(dtype).min
+    )
+
+
 def use_fused_norms(model: nn.Module, enable: bool = True) -> int:
     """Point every RMSNorm of `model` at the Triton kernel (or back at the reference with
-    `enable=False`). Returns how many now run fused: 0 where Triton is missing."""
+    `enable=False`). Returns how many now run fused: 0 where Triton is missing.
+
+    Call it on a CUDA model (or under Triton's CPU interpreter): a fused module runs its kernel on
+    whatever tensors it is given. fused.use_fused_kernels switches every fused kernel, norms included.
+    """
     kernel: Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor] | None = None
     if enable:
         try:

@@ -9,13 +9,29 @@ pixel values per patch, V vision hidden (768), k pooling kernel (3), M soft toke
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from eg2_runtime.config import VisionConfig
-from eg2_runtime.layers import ClippableLinear, GatedMLP, RMSNorm, apply_rope, key_padding_mask
+from eg2_runtime.layers import (
+    ClippableLinear,
+    GatedMLP,
+    RMSNorm,
+    additive_mask,
+    apply_rope,
+    key_padding_mask,
+)
+
+# rope_triton.rms_norm_rope: (x, weight, eps, cos, sin, sections) -> rope(norm(x))
+NormRope = Callable[[torch.Tensor, torch.Tensor | None, float, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# rmsnorm_triton.add_rms_norm: (x, y, y_weight, y_eps, sum_weight, sum_eps) -> (x + norm(y), its norm)
+AddNorm = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, float, torch.Tensor | None, float | None],
+    tuple[torch.Tensor, torch.Tensor | None],
+]
 
 RESCALE = 1 / 255  # the processor's rescale_factor, applied in float32 as `uint8 * 0.00392156862745098`
 
@@ -79,6 +95,12 @@ def apply_axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 class VisionAttention(nn.Module):
+    """Bidirectional attention with per-head RMSNorm on q, k and v and axial RoPE on q and k.
+
+    `fused`: each of q and k normalized and rotated in one kernel (rope_triton.rms_norm_rope), set
+    by fused.use_fused_kernels; None runs q_norm / k_norm, then apply_axial_rope.
+    """
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         clip = cfg.use_clipped_linears
@@ -91,20 +113,33 @@ class VisionAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
+        self.fused: NormRope | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         n, s, _ = x.shape
         shape = (n, s, -1, self.head_dim)
-        q = apply_axial_rope(self.q_norm(self.q_proj(x).view(shape)), cos, sin).transpose(1, 2)
-        k = apply_axial_rope(self.k_norm(self.k_proj(x).view(shape)), cos, sin).transpose(1, 2)
+        q = self.norm_rope(self.q_proj(x).view(shape), self.q_norm, cos, sin).transpose(1, 2)
+        k = self.norm_rope(self.k_proj(x).view(shape), self.k_norm, cos, sin).transpose(1, 2)
         v = self.v_norm(self.v_proj(x).view(shape)).transpose(1, 2)  # (N, heads, S, hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(n, s, -1))
 
+    def norm_rope(self, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(N, S, heads, hd) projection -> normalized per head, rotated; same shape."""
+        if self.fused is not None:
+            return self.fused(x, norm.weight, norm.eps, cos, sin, 2)
+        return apply_axial_rope(norm(x), cos, sin)
+
 
 class VisionLayer(nn.Module):
+    """Sandwich-norm block: x + post_norm(attn(pre_norm(x))), then the same around the MLP.
+
+    `fused`: each residual add with the norm before it, and the MLP's pre-norm, in one kernel
+    (rmsnorm_triton.add_rms_norm), set by fused.use_fused_kernels; None runs the modules one by one.
+    """
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -116,12 +151,20 @@ class VisionLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.fused: AddNorm | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        if self.fused is None:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        x, h = self.fused(x, attn, post.weight, post.eps, pre.weight, pre.eps)
+        assert h is not None
+        post = self.post_feedforward_layernorm
+        return self.fused(x, self.mlp(h), post.weight, post.eps, None, None)[0]
 
 
 class VisionEncoder(nn.Module):
@@ -156,7 +199,8 @@ class VisionTower(nn.Module):
         cfg = self.cfg
         x = self.patch_embedder(pixels, positions, padding)
         cos, sin = axial_rope(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        mask = key_padding_mask(~padding) if masked else None
+        # Additive, built once: SDPA would otherwise turn a bool mask into one in every layer.
+        mask = additive_mask(key_padding_mask(~padding), x.dtype) if masked else None
         for layer in self.encoder.layers:
             x = layer(x, cos, sin, mask)
         pooled, used = self.pool(x.masked_fill(padding[..., None], 0.0), positions)

@@ -1,0 +1,73 @@
+"""The fast path of the gated MLP's activation (layers.GatedMLP): gelu_tanh(gate) * up in one Triton
+kernel instead of two torch kernels.
+
+The (tokens, intermediate) tensors are the widest activations of a layer (3,072 per vision token):
+the reference reads gate, writes gelu(gate), reads it back with up and writes the product (four
+passes); this reads gate and up once and writes the product once.
+
+Arithmetic: torch's tanh-approximate GELU, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in fp32,
+written as x / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh u) is the logistic of 2u). Triton has
+no tanh that runs in its CPU interpreter, and this form does not cancel in the negative tail, where
+torch's 1 + tanh(u) does. Rounded as the reference rounds in BF16: gelu(gate), then the product.
+The two agree to a few fp32 ulps, so a BF16 output now and then lands one step away
+(tests/test_mlp_triton.py, in Triton's CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from eg2_runtime.rmsnorm_triton import round_to_bf16
+
+BLOCK = 2048  # values per program
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@triton.jit
+def _gelu_tanh_mul_kernel(
+    gate_ptr,  # (numel,) contiguous
+    up_ptr,  # (numel,) contiguous
+    out_ptr,  # (numel,) contiguous
+    numel,
+    K_BETA: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < numel
+    g = tl.load(gate_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    inner = K_BETA * (g + 0.044715 * (g * g * g))
+    y = g / (1.0 + tl.exp(-2.0 * inner))
+    if ROUND_BF16:
+        y = round_to_bf16(y)
+    y = y * u
+    if ROUND_BF16:
+        y = round_to_bf16(y)
+    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up, contiguous, of gate's shape and dtype."""
+    if gate.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the fused kernels take float32 or bfloat16, not {gate.dtype}")
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
+    g, u = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(g)
+    numel = g.numel()
+    _gelu_tanh_mul_kernel[(triton.cdiv(numel, BLOCK),)](
+        g,
+        u,
+        out,
+        numel,
+        K_BETA=SQRT_2_OVER_PI,
+        ROUND_BF16=gate.dtype == torch.bfloat16,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
+    return out
