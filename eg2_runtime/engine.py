@@ -31,6 +31,7 @@ from torch.nn.utils.rnn import pad_sequence
 import eg2_runtime
 from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
+from eg2_runtime.fused import use_fused_kernels
 from eg2_runtime.gpu_memory import ProcessGpuMemory, set_cuda_stack_limit
 from eg2_runtime.graphs import LENGTH_LADDER, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import (
@@ -41,7 +42,6 @@ from eg2_runtime.inputs import (
     PrepareOptions,
     TextPart,
 )
-from eg2_runtime.layers import use_fused_norms
 from eg2_runtime.loader import LoadReport, load_model
 from eg2_runtime.memory_plan import MIB, ActivationCosts, Footprint, MemoryPlan, default_budget, plan
 from eg2_runtime.model import EG2Model
@@ -509,10 +509,11 @@ def single_threaded_numpy_blas() -> int:
 
 
 def _fuse_norms(model: EG2Model) -> None:
-    """Fused norms, after one probe launch: Triton needs a C compiler for its launcher, and a
-    machine without one keeps serving on the reference path."""
-    if not use_fused_norms(model):
-        log.warning("Triton is not installed: RMSNorm runs the reference path")
+    """The fused Triton kernels (eg2_runtime/fused.py: norms, norm + RoPE, gelu x up, add + norm),
+    after one probe launch: Triton needs a C compiler for its launcher, and a machine without one
+    keeps serving on the reference paths."""
+    if not use_fused_kernels(model):
+        log.warning("Triton is not installed: the reference paths run")
         return
     try:
         weight = model.language_model.embedding_projection.weight
@@ -520,8 +521,8 @@ def _fuse_norms(model: EG2Model) -> None:
             torch.ones(2, model.config.text.hidden_size, dtype=weight.dtype, device=weight.device)
         )
     except Exception as e:
-        use_fused_norms(model, enable=False)
-        log.warning("fused RMSNorm kernel unavailable (%s); using the reference path", e)
+        use_fused_kernels(model, enable=False)
+        log.warning("fused kernels unavailable (%s); using the reference paths", e)
 
 
 def _wrap(prepared: Prepared) -> PreparedItem:
