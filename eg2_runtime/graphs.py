@@ -62,9 +62,8 @@ class GraphPool:
     executable (kernel parameters: device memory outside the allocator). So what each capture
     really added is measured, as the process's GPU memory where NVML can read it (else the
     allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is captured while
-    that total plus its estimate fits the budget, or when it is no larger than a bucket already in
-    the pool (it reuses that one's blocks). Past it, the bucket runs eagerly. `budget` None: no
-    bound (tests, the CPU path).
+    that total plus its estimate fits the budget. Past it, the bucket runs eagerly. `budget` None:
+    no bound (tests, the CPU path).
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
@@ -72,10 +71,9 @@ class GraphPool:
         self.budget = budget
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # measured bytes the captures added
-        self.largest = 0  # the largest estimate captured so far
 
     def admits(self, estimate: int) -> bool:
-        return self.budget is None or estimate <= self.largest or self.used + estimate <= self.budget
+        return self.budget is None or self.used + estimate <= self.budget
 
     def _now(self) -> int:
         torch.cuda.synchronize()
@@ -84,13 +82,12 @@ class GraphPool:
         return process if process is not None else torch.cuda.memory_reserved()
 
     @contextlib.contextmanager
-    def measuring(self, estimate: int) -> Iterator[None]:
+    def measuring(self) -> Iterator[None]:
         before = self._now()
         try:
             yield
         finally:
             self.used += max(0, self._now() - before)
-            self.largest = max(self.largest, estimate)
 
 
 def capture_graph(
@@ -240,7 +237,7 @@ class GraphedTextEncoder:
             return self.graphs[key]
         t0 = time.perf_counter()
         try:
-            with self.pool.measuring(estimate):
+            with self.pool.measuring():
                 graph, out = capture_graph(self._step, self._inputs(key), self.pool.handle)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.

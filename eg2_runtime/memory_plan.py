@@ -173,13 +173,13 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
             f"give it at least {-(-least // MIB):,} MiB (gpu_memory_mib), or load fewer modalities"
         )
     pool = working - eager
-    # A batch runs in graphs where buckets hold its rows (in chunks of the largest that fits), else
-    # eagerly within the eager share: the larger of the two bounds what one forward may take.
-    share = max(pool, eager)
+    # A batch that no graph bucket holds runs eagerly beside the pool, within the eager share, with
+    # the same room for fragmentation as the largest item (H200, 2026-12-01: batches sized to the
+    # whole share ran out of memory beside a full pool).
     wanted = {"text"} | (modalities & {"image", "video", "audio"})
     if len(wanted) > 2:
         wanted.add("mixed")  # interleaved items of several media
-    limits = {m: max(1, share // costs.batch_token(m)) for m in sorted(wanted)}
+    limits = {m: max(1, int(eager / (EAGER_MARGIN * costs.batch_token(m)) + 1e-6)) for m in sorted(wanted)}
     if need.max_batch_tokens is not None:
         limits = {m: min(v, need.max_batch_tokens) for m, v in limits.items()}
     vision = costs.vision_slot if modalities & {"image", "video"} else 0
