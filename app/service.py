@@ -113,11 +113,6 @@ def load_engine(settings: Settings) -> EngineLike:
         model_dir = settings.model
         if not model_dir.is_dir():
             raise StartupError(f"no checkpoint directory at {model_dir} (EG2_MODEL / --model)")
-    from eg2_runtime.preprocess.limits import MediaLimits  # pulls in torch: only when really loading
-
-    limits = MediaLimits(
-        max_image_pixels=settings.max_image_pixels, max_video_seconds=settings.max_video_seconds
-    )
     from eg2_runtime.engine import Engine, EngineOptions  # pulls in torch: only when really loading
 
     options = EngineOptions(
@@ -128,7 +123,7 @@ def load_engine(settings: Settings) -> EngineLike:
         model_dir,
         device=settings.device,
         modalities=None if settings.modalities is None else frozenset(settings.modalities),
-        limits=limits,
+        limits=settings.media_limits(),
         pack=settings.pack,
         options=options,
     )

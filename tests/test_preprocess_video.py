@@ -9,6 +9,7 @@ must pick the same frames (same decode indices, so the same timestamps) with the
 from __future__ import annotations
 
 import tempfile
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -16,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from app.settings import Settings
 from eg2_runtime.preprocess.image import PatchGeometry, unit_pixels
-from eg2_runtime.preprocess.limits import MediaLimits
 from eg2_runtime.preprocess.video import VideoConfig, decode_video, prepare_frames
 from tests import media
 
 CONFIG = VideoConfig()
-LIMITS = MediaLimits()
+LIMITS = Settings().media_limits()  # the service's defaults
 
 
 def video_processor() -> Any:
@@ -106,10 +107,13 @@ def test_limits_are_parameters() -> None:
     from eg2_runtime.errors import InputTooLargeError
 
     for limits in (
-        MediaLimits(max_video_seconds=2.5),
-        MediaLimits(max_video_frames=29),
-        MediaLimits(max_video_frame_pixels=64 * 96 - 1),
+        replace(LIMITS, max_video_seconds=2.5),
+        replace(LIMITS, max_video_frames=29),
+        replace(LIMITS, max_video_frame_pixels=64 * 96 - 1),
     ):
         with pytest.raises(InputTooLargeError):
             decode_video(data, CONFIG, limits)
-    assert len(decode_video(data, CONFIG, MediaLimits(max_video_seconds=3, max_video_frames=30)).indices) == 3
+    assert (
+        len(decode_video(data, CONFIG, replace(LIMITS, max_video_seconds=3, max_video_frames=30)).indices)
+        == 3
+    )

@@ -25,8 +25,9 @@ import soundfile as sf
 import soxr
 
 from eg2_runtime.errors import InputTooLargeError, InputTooLongError, MediaDecodeError
+from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.preprocess import containers
-from eg2_runtime.preprocess.limits import MediaLimits, reason
+from eg2_runtime.preprocess.limits import reason
 
 SAMPLE_RATE = 16_000
 MAX_SAMPLES = 480_000  # 30 s: the feature extractor's max_length
@@ -157,7 +158,7 @@ def load_audio(
     Returns ((n,) float32, cut) where `cut` says the source was longer than the limit. With truncate off
     a longer source raises InputTooLongError instead.
     """
-    limits = limits or MediaLimits()
+    limits = limits or MediaLimits.unbounded()
     max_seconds = max_samples / sample_rate
     mono, rate = _decode(data, max_seconds + _MARGIN_SECONDS, limits)
     if not np.isfinite(mono).all():

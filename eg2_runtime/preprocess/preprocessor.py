@@ -21,10 +21,17 @@ import torch
 
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError, EG2Error, InputError, ModalityNotLoadedError
-from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, Item, MediaKind, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.inputs import (
+    IMAGE_TOKEN_BUDGETS,
+    Item,
+    MediaKind,
+    MediaLimits,
+    MediaPart,
+    PrepareOptions,
+    TextPart,
+)
 from eg2_runtime.preprocess import audio, image, video
 from eg2_runtime.preprocess.layout import Markers, Prepared, check_text, expand
-from eg2_runtime.preprocess.limits import MediaLimits
 from eg2_runtime.preprocess.text import MAX_TOKENS, Prompts, TextTokenizer
 
 
@@ -44,7 +51,7 @@ class Preprocessor:
         self.tokenizer = tokenizer
         self.config = config
         self.prompts = prompts or Prompts({})
-        self.limits = limits or MediaLimits()
+        self.limits = limits or MediaLimits.unbounded()
         self.max_tokens = max_tokens
         vision = config.vision
         pixels = pc.get("image_processor") or {}  # patch geometry: the processor's, else the tower's

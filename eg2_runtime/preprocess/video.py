@@ -11,8 +11,9 @@ container's duration.
 Each frame is converted with PyAV's rgb24 conversion (the loader's), resized and patchified exactly as
 images are, with the video budget (70 soft tokens per frame by default).
 
-Safety: the frame size, declared duration and declared frame count are checked against `MediaLimits`
-before decoding; decoding stops after the last sampled frame and checks every decoded frame's size.
+Safety: the frame size, declared duration, declared frame count and the pixels to decode (frame size x
+frames up to the last sampled one) are checked against `MediaLimits` before decoding; decoding stops
+after the last sampled frame and checks every decoded frame's size.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import numpy as np
 import torch
 
 from eg2_runtime.errors import InputTooLargeError, MediaDecodeError
+from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.preprocess import containers
 from eg2_runtime.preprocess.image import PatchedImages, PatchGeometry, patchify, resize_uint8, target_size
-from eg2_runtime.preprocess.limits import MediaLimits, reason
+from eg2_runtime.preprocess.limits import reason
 
 _FORMATS = {containers.MP4, containers.MATROSKA}  # mp4 / mov / m4v, and mkv / webm
 
@@ -93,6 +95,7 @@ def decode_video(data: bytes, config: VideoConfig, limits: MediaLimits) -> Sampl
             wanted = sample_indices(meta, config)
             keep = set(wanted.tolist())
             last = int(wanted.max())
+            check_decode_cost(meta, last, limits)
             frames: list[np.ndarray] = []
             indices: list[int] = []
             # One converter per stream: `frame.to_ndarray(format=...)` builds a new swscale context
@@ -162,6 +165,18 @@ def _metadata(container: Any, stream: Any, limits: MediaLimits) -> VideoMetadata
     if seconds > limits.max_video_seconds:
         raise _too_long(seconds, limits)
     return VideoMetadata(total, fps, width, height)
+
+
+def check_decode_cost(meta: VideoMetadata, last: int, limits: MediaLimits) -> None:
+    """Refuse a clip whose decode (every frame up to the last sampled one) would produce more pixels
+    than the limit: decode time follows that product, not the duration alone."""
+    pixels = meta.width * meta.height * (last + 1)
+    if pixels > limits.max_video_decode_pixels:
+        raise InputTooLargeError(
+            f"video is too costly to decode: {last + 1} frames of {meta.width}x{meta.height} = "
+            f"{pixels / 1e9:.1f} billion pixels, the limit is {limits.max_video_decode_pixels / 1e9:g} billion",
+            param="input",
+        )
 
 
 def _too_long(seconds: float, limits: MediaLimits) -> InputTooLargeError:
