@@ -54,11 +54,16 @@ def _b64(data: str, param: str) -> bytes:
 
 
 def parse_data_uri(url: str, kind: MediaKind, param: str) -> tuple[bytes, str]:
-    """`data:image/png;base64,...` -> (bytes, format hint). Wrong MIME or bad base64 -> 400."""
+    """`data:image/png;base64,...` -> (bytes, format hint). Wrong MIME or bad base64 -> 400.
+
+    The scheme, the MIME type and the `base64` token are case-insensitive (RFC 2397, RFC 2045)."""
     header, comma, payload = url.partition(",")
     if not comma:
         raise MediaDecodeError("malformed data URI: no ',' before the payload", param=param)
-    mime, *params = header.removeprefix("data:").split(";")
+    scheme, _, header = header.partition(":")
+    if scheme.strip().lower() != "data":
+        raise MediaDecodeError("expected a data: URI", param=param)
+    mime, *params = header.split(";")
     if "base64" not in (p.strip().lower() for p in params):
         raise MediaDecodeError("data URIs must be base64-encoded (data:<mime>;base64,...)", param=param)
     major, _, subtype = mime.strip().lower().partition("/")
