@@ -1,6 +1,8 @@
 """The dynamic batcher: requests in, GPU batches out, each row back to its request.
 
     embed(items) ── admission (items in flight <= limit, else 429 at once)
+       └─► cost check: engine.estimate_many (media headers on a thread, text counted on the loop);
+           413 over max_request_tokens, before anything is decoded or tokenized
        └─► preprocess pool: N threads run engine.prepare_many, overlapping with the GPU (a request's
              text in one job, each of its media items in a job of its own); a request's short text
              is tokenized on the event loop instead, where the thread hop would cost more
@@ -12,7 +14,9 @@
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 A request whose future is done (answered, failed, cancelled on disconnect or timeout) is dead: its
-items are skipped before preprocessing and dropped before the GPU. A failing batch is split in halves
+items are skipped before preprocessing, their decoding stops within a frame (a cancel flag the
+engine's decoders check), and what was prepared is dropped before the GPU; eg2_dropped_items_total
+counts them by stage. A failing batch is split in halves
 and retried, so an out-of-memory batch still completes in smaller pieces and one poisoned item fails
 only its own request. Assumes the engine contract of eg2_runtime.engine: prepare_many is thread-safe,
 embed runs on one thread and returns unit rows in batch order.
@@ -39,7 +43,7 @@ import numpy as np
 from app.errors import Overloaded, Unavailable
 from app.metrics import Metrics
 from eg2_runtime.engine import PreparedItem
-from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory
+from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
 log = logging.getLogger("eg2.batcher")
@@ -60,8 +64,9 @@ class EngineLike(Protocol):
     def prompts(self) -> dict[str, str]: ...
     @property
     def max_text_tokens(self) -> int: ...
+    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]: ...
     def prepare_many(
-        self, items: Sequence[Item], options: PrepareOptions
+        self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
     ) -> list[PreparedItem | EG2Error]: ...
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray: ...
     def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]: ...
@@ -187,6 +192,11 @@ class _Request:
         self.inference_s = 0.0
         self.last_batch = -1
         self.prep_futures: list[asyncio.Future[Any]] = []
+        # Set when the request ends: its decoding stops (engine.prepare_many checks it per frame / block).
+        self.cancel = threading.Event()
+        self.queued = 0  # items that reached the GPU queues
+        self.failed = 0  # items whose preparation failed (they fail the request; not "dropped")
+        self.refused = False  # refused by the cost check before any work: nothing to drop
 
     @property
     def dead(self) -> bool:
@@ -268,6 +278,7 @@ class Batcher:
         preprocess_workers: int,
         stall_timeout_s: float,
         inline_prepare_chars: int,
+        max_request_tokens: int,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -277,6 +288,7 @@ class Batcher:
         self._limit = max_queued_items
         self._stall_timeout_s = stall_timeout_s
         self._inline_chars = inline_prepare_chars  # a request's text up to this size skips the pool
+        self._max_request_tokens = max_request_tokens
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare")
         self._gpu = Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
@@ -381,13 +393,18 @@ class Batcher:
         request = _Request(n, asyncio.get_running_loop())
         self._live.add(request)
         try:
+            try:
+                await self._check_cost(request, items, options)
+            except EG2Error:
+                request.refused = True
+                raise
             for group in _prepare_groups(items):
                 modality = items[group[0]].modality  # a group is one modality (text, or one media item)
                 job = [items[i] for i in group]
                 if modality == "text" and self._inline(job, options):
-                    prep = _run_here(self._prepare, job, options)  # a hop costs more than tokenizing
+                    prep = _run_here(self._prepare, job, options, None)  # a hop costs more than tokenizing
                 else:
-                    prep = self._prep.submit(self._prepare, job, options)
+                    prep = self._prep.submit(self._prepare, job, options, request.cancel)
                 # Counted before the callback is attached; it runs from the loop, so never before this.
                 self._preparing[modality] += len(group)
                 prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
@@ -396,9 +413,15 @@ class Batcher:
             rows = np.stack(request.rows)  # type: ignore[arg-type]  # every row was delivered
             return Embedded(rows, request.num_tokens, request.queue_s, request.inference_s)
         finally:
+            request.cancel.set()  # stops whatever of its decoding is still running
             future = request.future
             if not (future.done() and not future.cancelled() and future.exception() is None):
                 self._dead_queued = True  # it may have left items in the queues
+                if not request.refused:
+                    # Never reached the GPU queues: waiting for a preprocessing thread, being decoded
+                    # (stopped now), or prepared after the end. Queued ones are counted when swept.
+                    lost = n - request.queued - request.failed
+                    self._metrics.dropped_items.labels("preprocessing").inc(lost)
             future.cancel()  # no-op when answered; otherwise marks its leftovers dead
             for prep in request.prep_futures:
                 prep.cancel()
@@ -406,16 +429,39 @@ class Batcher:
             self.admitted -= n
             self._metrics.admitted_items.set(self.admitted)
 
+    async def _check_cost(self, request: _Request, items: Sequence[Item], options: PrepareOptions) -> None:
+        """Refuse the request before any decoding or tokenizing when its estimated cost (headers, durations,
+        characters: engine.estimate_many) is over the per-request limit, or an item's headers already
+        prove it will fail. Media headers are read on a preprocessing thread, text is counted here."""
+        if all(item.modality == "text" for item in items):
+            estimate = _run_here(self._engine.estimate_many, items, options)
+        else:
+            estimate = self._prep.submit(self._engine.estimate_many, items, options)
+            request.prep_futures.append(estimate)  # skipped if the client leaves before it runs
+        results = await estimate
+        if (error := next((r for r in results if isinstance(r, EG2Error)), None)) is not None:
+            raise error
+        total = sum(r for r in results if isinstance(r, int))
+        if total > self._max_request_tokens:
+            raise InputTooLargeError(
+                f"this request would cost about {total} tokens (text counted at one token per character, "
+                f"media from their headers), more than this server's limit of {self._max_request_tokens} "
+                "per request (max_request_tokens); send fewer or shorter items per request",
+                param="input",
+            )
+
     def _inline(self, job: list[Item], options: PrepareOptions) -> bool:
         """Whether a request's text job is small enough to tokenize on the event loop."""
         limit = self._inline_chars
         return limit > 0 and len(job) <= INLINE_MAX_ITEMS and _text_chars(job, options) <= limit
 
-    def _prepare(self, items: list[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
+    def _prepare(
+        self, items: list[Item], options: PrepareOptions, cancel: threading.Event | None
+    ) -> list[PreparedItem | EG2Error]:
         """On a preprocess thread, or on the event loop for short text. The histogram gets each
-        item's share of the call."""
+        item's share of the call. Raises eg2_runtime.errors.Cancelled once `cancel` is set."""
         start = time.monotonic()
-        prepared = self._engine.prepare_many(items, options)
+        prepared = self._engine.prepare_many(items, options, cancel)
         share = (time.monotonic() - start) / len(items)
         for p in prepared:
             if isinstance(p, PreparedItem):
@@ -430,15 +476,17 @@ class Batcher:
         if prep.cancelled():
             return
         if (exc := prep.exception()) is not None:
+            request.failed += len(indices)
             request.fail(exc)  # one bad item fails its own request only
             return
         results = prep.result()
-        if (error := next((r for r in results if isinstance(r, EG2Error)), None)) is not None:
-            request.fail(error)
+        if errors := [r for r in results if isinstance(r, EG2Error)]:
+            request.failed += len(errors)
+            request.fail(errors[0])
             return
         if request.dead:
-            self._metrics.dropped_items.inc(len(results))
-            return
+            return  # counted as dropped where the request ended
+        request.queued += len(results)
         for index, item in zip(indices, results, strict=True):
             work = _Work(request, index, item)
             self._queues.setdefault(item.modality, _Queue()).append(work)
@@ -466,7 +514,7 @@ class Batcher:
         self._dead_queued = False
         for modality, q in self._queues.items():
             if dropped := q.drop_dead():
-                self._metrics.dropped_items.inc(dropped)
+                self._metrics.dropped_items.labels("gpu_queue").inc(dropped)
                 self._metrics.queue_depth.labels(modality).set(len(q))
 
     async def _next_batch(self) -> list[_Work]:
@@ -504,7 +552,7 @@ class Batcher:
     async def _run(self, batch: list[_Work]) -> None:
         live = [w for w in batch if not w.request.dead]
         if len(live) < len(batch):
-            self._metrics.dropped_items.inc(len(batch) - len(live))
+            self._metrics.dropped_items.labels("gpu_queue").inc(len(batch) - len(live))
         if not live:
             return
         modality = live[0].item.modality

@@ -85,8 +85,13 @@ class _Prewarmed:
         self.prompts = engine.prompts
         self.max_text_tokens = engine.max_text_tokens
 
-    def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
-        return self._engine.prepare_many(items, options)
+    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]:
+        return self._engine.estimate_many(items, options)
+
+    def prepare_many(
+        self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
+    ) -> list[PreparedItem | EG2Error]:
+        return self._engine.prepare_many(items, options, cancel)
 
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         return self._engine.embed(batch)

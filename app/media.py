@@ -85,6 +85,7 @@ class MediaResolver:
         self._media_dir = settings.media_dir.resolve() if settings.media_dir else None
 
     async def items(self, request: EmbeddingRequest) -> list[Item]:
+        self.check_counts(request)
         items = []
         for param, parts in request.items():
             resolved = [
@@ -93,6 +94,26 @@ class MediaResolver:
             ]
             items.append(Item(parts=tuple(resolved)))
         return items
+
+    def check_counts(self, request: EmbeddingRequest) -> None:
+        """413 for too many parts in one item or too many media in the request, before any payload is
+        decoded (the limits: max_item_parts, max_request_media)."""
+        s = self._settings
+        media = 0
+        for param, parts in request.items():
+            if len(parts) > s.max_item_parts:
+                raise InputTooLargeError(
+                    f"{len(parts)} parts in one item, more than this server's limit of {s.max_item_parts} "
+                    "(max_item_parts)",
+                    param=param,
+                )
+            media += sum(isinstance(p, ImagePartIn | AudioPartIn | VideoPartIn) for p in parts)
+        if media > s.max_request_media:
+            raise InputTooLargeError(
+                f"{media} images, audio clips and videos in one request, more than this server's limit of "
+                f"{s.max_request_media} (max_request_media); send them in several requests",
+                param="input",
+            )
 
     async def _part(self, part: str | PartIn, param: str) -> Part:
         if isinstance(part, str):

@@ -191,6 +191,7 @@ class Service:
                 preprocess_workers=s.preprocess_workers,
                 stall_timeout_s=s.stall_timeout_s,
                 inline_prepare_chars=s.inline_prepare_chars,
+                max_request_tokens=s.max_request_tokens,
             )
             self._batcher.start()
             await self._batcher.warmup()

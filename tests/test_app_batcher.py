@@ -48,6 +48,7 @@ def run(
         "preprocess_workers": 2,
         "stall_timeout_s": 60,
         "inline_prepare_chars": 0,
+        "max_request_tokens": 1_000_000,
     }
     args.update(kw)
 
@@ -311,7 +312,44 @@ def test_dead_requests_are_dropped_before_the_gpu() -> None:
 
     run(engine, body)
     assert not [t for t in engine.embedded_texts if t.startswith("doomed")]
-    assert metrics.dropped_items._value.get() == 3
+    assert metrics.dropped_items.labels("gpu_queue")._value.get() == 3
+    assert metrics.dropped_items.labels("preprocessing")._value.get() == 0
+
+
+def test_an_ended_request_stops_its_preparation_and_counts_it_dropped() -> None:
+    """Cancelled (a disconnect, a timeout) while its images are being prepared: the two being prepared
+    stop at once (the engine's cancel flag), the one still waiting for a thread never runs, and all three
+    count as dropped in preprocessing."""
+    engine = FakeEngine(prepare_delay_s=30)  # "decoding" that takes 30 s unless cancelled
+    metrics = Metrics()
+    images = [Item((MediaPart("image", bytes([i]) * 8),)) for i in range(3)]
+
+    async def body(b: Batcher) -> None:
+        b._metrics = metrics
+        task = asyncio.create_task(b.embed(images, OPTS))
+        await until(lambda: len(engine.prepare_jobs) == 2)  # two threads busy, the third job queued
+        task.cancel()
+        await until(lambda: engine.prepare_cancelled == 2, timeout=2)
+
+    run(engine, body, preprocess_workers=2)
+    assert len(engine.prepare_jobs) == 2, "the queued job ran after its request had ended"
+    assert metrics.dropped_items.labels("preprocessing")._value.get() == 3
+    assert metrics.dropped_items.labels("gpu_queue")._value.get() == 0
+
+
+def test_a_request_over_the_token_limit_is_refused_before_any_work() -> None:
+    engine = FakeEngine()
+
+    async def body(b: Batcher) -> BaseException | None:
+        try:
+            await b.embed(items(words(600, "a"), words(600, "b")), OPTS)
+        except Exception as e:
+            return e
+        return None
+
+    error = run(engine, body, max_request_tokens=1000)
+    assert error is not None and classify(error) == (413, "request_too_large"), error
+    assert "about 1204 tokens" in str(error) and not engine.prepare_jobs and engine.estimate_calls == 1
 
 
 def test_admission_counts_items_and_refuses_at_once() -> None:

@@ -106,6 +106,38 @@ def decode_image(data: bytes, *, max_pixels: int) -> np.ndarray:
             raise MediaDecodeError(f"could not decode image: {reason(e)}", param="input") from e
 
 
+def probe_tokens(data: bytes, budget: int, geometry: PatchGeometry, max_pixels: int) -> int:
+    """Soft tokens this image will take, from its header alone (nothing decoded).
+
+    Raises InputTooLargeError past `max_pixels`, as decode_image would. A header that cannot be read
+    counts as the whole budget: the decoder has the last word on the file. EXIF orientation is not
+    read (for PNG, Pillow would decode the image to find it): a quarter turn swaps height and width,
+    which gives the same patch count.
+    """
+    try:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+            width, height = im.size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise InputTooLargeError(f"image is too large: more than {max_pixels} pixels", param="input") from e
+    except Exception:
+        return budget
+    if width <= 0 or height <= 0:
+        return budget
+    if width * height > max_pixels:
+        raise InputTooLargeError(
+            f"image is too large: {width}x{height} = {width * height} pixels, the limit is {max_pixels}",
+            param="input",
+        )
+    return soft_tokens(height, width, budget, geometry)
+
+
+def soft_tokens(height: int, width: int, budget: int, geometry: PatchGeometry) -> int:
+    """Soft tokens of an image of this size resized for `budget` (what `prepare_image` gives it)."""
+    th, tw = target_size(height, width, budget, geometry)
+    p = geometry.patch_size
+    return (th // p) * (tw // p) // geometry.pooling_kernel_size**2
+
+
 def _to_rgb(im: Image.Image) -> np.ndarray:
     """(H, W, 3) uint8, the way transformers' `convert_to_rgb` does it for PIL images, 16-bit fixed.
 

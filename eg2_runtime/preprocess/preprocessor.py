@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
+from threading import Event
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from eg2_runtime.errors import (
     InputError,
     InputTooLongError,
     ModalityNotLoadedError,
+    check_cancel,
 )
 from eg2_runtime.inputs import (
     IMAGE_TOKEN_BUDGETS,
@@ -147,6 +149,40 @@ class Preprocessor:
         """The literal prefix for a request's prompt / prompt_name (see `Prompts.resolve`)."""
         return self.prompts.resolve(prompt_name, prompt)
 
+    # ----------------------------------------------------------------------------------- estimate
+
+    def estimate(self, item: Item, options: PrepareOptions) -> int:
+        """What `prepare` will cost this item in tokens, known before anything is decoded or tokenized:
+        text (the prompt included) at one token per character, media from their headers (their exact
+        soft tokens and markers), the whole at most `max_tokens` (longer text is cut).
+
+        Raises what the headers alone already prove: media over a `MediaLimits` limit
+        (InputTooLargeError), media that alone exceed the model's context (InputTooLongError). Anything
+        else (an unreadable header, bad text) is left to `prepare`, which decides.
+        """
+        text = len(options.prompt or "")
+        fixed = len(self.tokenizer.prefix) + len(self.tokenizer.suffix)
+        for part in item.parts:
+            if isinstance(part, TextPart):
+                text += len(part.text)
+            elif part.kind not in self.modalities:
+                continue  # prepare refuses it
+            elif part.kind == "image":
+                budget = options.image_tokens if options.image_tokens in IMAGE_TOKEN_BUDGETS else 0
+                pixels = self.limits.max_image_pixels
+                fixed += image.probe_tokens(part.data, budget, self.geometry, pixels) + 2
+            elif part.kind == "audio":
+                seconds = audio.probe_seconds(part.data)
+                fixed += self.log_mel.soft_tokens(audio.MAX_SECONDS if seconds is None else seconds) + 2
+            else:
+                fixed += video.probe_tokens(part.data, self.video_config, self.geometry, self.limits)
+        if fixed > self.max_tokens:
+            raise InputTooLongError(
+                f"the media of this input alone is {fixed} tokens, more than the model's {self.max_tokens}",
+                param="input",
+            )
+        return min(self.max_tokens, fixed + text)
+
     # ------------------------------------------------------------------------------------ prepare
 
     def prepare(self, item: Item, options: PrepareOptions) -> Prepared:
@@ -161,16 +197,19 @@ class Preprocessor:
         *,
         raise_errors: bool = False,
         executor: Executor | None = None,
+        cancel: Event | None = None,
     ) -> list[Prepared | EG2Error]:
         """Prepare several items, their text tokenized in one call. A failing item gives its error in
         its slot (or raises, with `raise_errors`); the others are unaffected.
 
         `executor`: decode and featurize the media of the items in parallel (PIL, PyAV, soxr and
-        numpy release the GIL for the heavy parts)."""
+        numpy release the GIL for the heavy parts). `cancel`: checked between items and inside the
+        decoders (per video frame, per audio block); once set, the call raises Cancelled."""
 
         def stage(item: Item) -> _Staged | EG2Error:
+            check_cancel(cancel)
             try:
-                return self._stage(item, options)
+                return self._stage(item, options, cancel)
             except EG2Error as e:
                 if raise_errors:
                     raise
@@ -179,6 +218,7 @@ class Preprocessor:
         has_media = any(isinstance(p, MediaPart) for item in items for p in item.parts)
         # Text alone is staged in microseconds: a thread hop per item would cost more than it saves.
         staged = list(executor.map(stage, items) if executor is not None and has_media else map(stage, items))
+        check_cancel(cancel)
         texts = [s.text for s in staged if isinstance(s, _Staged)]
         encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
         out: list[Prepared | EG2Error] = []
@@ -194,7 +234,7 @@ class Preprocessor:
                 out.append(e)
         return out
 
-    def _stage(self, item: Item, options: PrepareOptions) -> _Staged:
+    def _stage(self, item: Item, options: PrepareOptions, cancel: Event | None = None) -> _Staged:
         """Decode and featurize the media, and render the item's string with one placeholder per block."""
         if not item.parts:
             raise InputError("an input item has no parts", param="input")
@@ -213,12 +253,15 @@ class Preprocessor:
                 s.pieces.append((True, part.text))
             elif part.kind == "image":
                 rgb = image.decode_image(part.data, max_pixels=self.limits.max_image_pixels)
+                check_cancel(cancel)
                 patched = image.prepare_image(rgb, options.image_tokens, self.geometry)
                 s.images.append(patched)
                 s.soft[m.ids[m.image]].append(patched.num_soft_tokens)
                 s.pieces.append((False, m.image_block()))
             elif part.kind == "audio":
-                wave, cut = audio.load_audio(part.data, truncate=options.truncate, limits=self.limits)
+                wave, cut = audio.load_audio(
+                    part.data, truncate=options.truncate, limits=self.limits, cancel=cancel
+                )
                 features, mask = self.log_mel(wave)
                 if not np.isfinite(features).all():  # finite samples so large the spectrum overflows
                     raise InputError("audio sample values are out of range", param="input")
@@ -231,7 +274,9 @@ class Preprocessor:
                 s.pieces.append((False, m.audio_block()))
             else:
                 vc = self.video_config
-                sampled = video.decode_video(part.data, vc, self.limits)
+                sampled = video.decode_video(
+                    part.data, vc, self.limits, geometry=self.geometry, cancel=cancel
+                )
                 patched = video.prepare_frames(sampled.frames, vc.budget, self.geometry)
                 frames = len(sampled.indices)
                 s.videos.append(patched)
