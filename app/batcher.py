@@ -4,7 +4,8 @@
        └─► cost check: engine.estimate_many (media headers on a thread, text counted on the loop);
            413 over max_request_tokens, before anything is decoded or tokenized
        └─► preprocess pool: N threads run engine.prepare_many, overlapping with the GPU (a request's
-             text in one job, each of its media items in a job of its own); a request's short text
+             text in one job, each of its media items in a job of its own, started only while the
+             media tokens decoded ahead of the GPU stay under their budget); a request's short text
              is tokenized on the event loop instead, where the thread hop would cost more
              └─► per-modality queues of prepared items
                    └─► scheduler (event loop): pick the modality with the oldest item; while items
@@ -180,6 +181,51 @@ class Embedded:
     inference_s: float  # summed time of the GPU batches that carried its items
 
 
+class _MediaBudget:
+    """Media soft tokens being decoded or decoded and not yet embedded, across all requests, held under
+    a limit: a media job starts only once its tokens fit, in arrival order.
+
+    Why: a decoded image holds ~7 kB of patches per soft token until its batch runs (a 1120-token image:
+    7.7 MB), and decoding runs ahead of the GPU; without a bound, memory grows with every image waiting
+    in any request. A job larger than the whole budget runs when nothing else holds any.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def acquire(self, tokens: int) -> None:
+        if not self._waiters and self._fits(tokens):
+            self.used += tokens
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((tokens, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release(tokens)  # granted, but its request ended meanwhile
+            else:
+                self._waiters = deque(w for w in self._waiters if w[1] is not granted)
+                self._grant()
+            raise
+
+    def release(self, tokens: int) -> None:
+        self.used -= tokens
+        self._grant()
+
+    def _fits(self, tokens: int) -> bool:
+        return self.used == 0 or self.used + tokens <= self.limit
+
+    def _grant(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            tokens, granted = self._waiters.popleft()
+            if not granted.done():
+                self.used += tokens
+                granted.set_result(None)
+
+
 class _Request:
     """One call to embed(): its items' rows land here; done (any way) means dead."""
 
@@ -197,6 +243,7 @@ class _Request:
         self.queued = 0  # items that reached the GPU queues
         self.failed = 0  # items whose preparation failed (they fail the request; not "dropped")
         self.refused = False  # refused by the cost check before any work: nothing to drop
+        self.held: dict[int, int] = {}  # media item index -> its tokens held in the media budget
 
     @property
     def dead(self) -> bool:
@@ -279,6 +326,7 @@ class Batcher:
         stall_timeout_s: float,
         inline_prepare_chars: int,
         max_request_tokens: int,
+        max_prepared_media_tokens: int,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -289,6 +337,7 @@ class Batcher:
         self._stall_timeout_s = stall_timeout_s
         self._inline_chars = inline_prepare_chars  # a request's text up to this size skips the pool
         self._max_request_tokens = max_request_tokens
+        self.media_budget = _MediaBudget(max_prepared_media_tokens)
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare")
         self._gpu = Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
@@ -392,27 +441,29 @@ class Batcher:
         self._metrics.admitted_items.set(self.admitted)
         request = _Request(n, asyncio.get_running_loop())
         self._live.add(request)
+        feeder: asyncio.Task[None] | None = None
         try:
             try:
-                await self._check_cost(request, items, options)
+                costs = await self._check_cost(request, items, options)
             except EG2Error:
                 request.refused = True
                 raise
-            for group in _prepare_groups(items):
-                modality = items[group[0]].modality  # a group is one modality (text, or one media item)
-                job = [items[i] for i in group]
-                if modality == "text" and self._inline(job, options):
-                    prep = _run_here(self._prepare, job, options, None)  # a hop costs more than tokenizing
-                else:
-                    prep = self._prep.submit(self._prepare, job, options, request.cancel)
-                # Counted before the callback is attached; it runs from the loop, so never before this.
-                self._preparing[modality] += len(group)
-                prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
-                request.prep_futures.append(prep)
+            groups = _prepare_groups(items)
+            media = [g for g in groups if items[g[0]].modality != "text"]
+            for group in groups:
+                if items[group[0]].modality == "text":
+                    self._submit(request, items, group, options)
+            if media:  # each as the media budget allows: decoding waits for the GPU to catch up
+                feeder = asyncio.create_task(self._feed(request, items, media, costs, options))
             await request.future
             rows = np.stack(request.rows)  # type: ignore[arg-type]  # every row was delivered
             return Embedded(rows, request.num_tokens, request.queue_s, request.inference_s)
         finally:
+            if feeder is not None:
+                feeder.cancel()
+            for tokens in request.held.values():  # what its items still hold (dropped or never run)
+                self.media_budget.release(tokens)
+            request.held.clear()
             request.cancel.set()  # stops whatever of its decoding is still running
             future = request.future
             if not (future.done() and not future.cancelled() and future.exception() is None):
@@ -429,7 +480,42 @@ class Batcher:
             self.admitted -= n
             self._metrics.admitted_items.set(self.admitted)
 
-    async def _check_cost(self, request: _Request, items: Sequence[Item], options: PrepareOptions) -> None:
+    def _submit(
+        self, request: _Request, items: Sequence[Item], group: list[int], options: PrepareOptions
+    ) -> None:
+        """One preprocessing job for these items of the request (its text, or one media item)."""
+        modality = items[group[0]].modality  # a group is one modality (text, or one media item)
+        job = [items[i] for i in group]
+        if modality == "text" and self._inline(job, options):
+            prep = _run_here(self._prepare, job, options, None)  # a hop costs more than tokenizing
+        else:
+            prep = self._prep.submit(self._prepare, job, options, request.cancel)
+        # Counted before the callback is attached; it runs from the loop, so never before this.
+        self._preparing[modality] += len(group)
+        prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
+        request.prep_futures.append(prep)
+
+    async def _feed(
+        self,
+        request: _Request,
+        items: Sequence[Item],
+        groups: list[list[int]],
+        costs: list[int],
+        options: PrepareOptions,
+    ) -> None:
+        """Submit the request's media jobs one by one, each once its estimated tokens fit the media
+        budget; they stay held until the item is embedded or its request ends."""
+        for group in groups:
+            tokens = sum(costs[i] for i in group)
+            await self.media_budget.acquire(tokens)
+            request.held[group[0]] = tokens
+            if request.dead:
+                return
+            self._submit(request, items, group, options)
+
+    async def _check_cost(
+        self, request: _Request, items: Sequence[Item], options: PrepareOptions
+    ) -> list[int]:
         """Refuse the request before any decoding or tokenizing when its estimated cost (headers, durations,
         characters: engine.estimate_many) is over the per-request limit, or an item's headers already
         prove it will fail. Media headers are read on a preprocessing thread, text is counted here."""
@@ -449,6 +535,7 @@ class Batcher:
                 "per request (max_request_tokens); send fewer or shorter items per request",
                 param="input",
             )
+        return [r if isinstance(r, int) else 0 for r in results]
 
     def _inline(self, job: list[Item], options: PrepareOptions) -> bool:
         """Whether a request's text job is small enough to tokenize on the event loop."""
@@ -593,4 +680,6 @@ class Batcher:
         rate = len(live) / max(elapsed, 1e-6)
         self._items_per_s = rate if self._items_per_s == 0 else 0.8 * self._items_per_s + 0.2 * rate
         for work, row in zip(live, vectors, strict=True):
+            if tokens := work.request.held.pop(work.index, 0):
+                self.media_budget.release(tokens)
             work.request.deliver(work.index, row, work.item.num_tokens, batch_id, elapsed)

@@ -158,6 +158,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "max_text_tokens": engine.max_text_tokens,
         "limits": {
             "max_batch_tokens": service.batch_tokens(),
+            "max_prepared_media_tokens": service.prepared_media_tokens(),
             "max_batch_items": s.max_batch_items,
             "max_queued_items": s.max_queued_items,
             "max_request_items": s.max_request_items,

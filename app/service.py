@@ -169,6 +169,10 @@ class Service:
         on_gpu = self._engine is not None and self._engine.memory().get("gpu_allocated_bytes", 0) > 0
         return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
 
+    def prepared_media_tokens(self) -> int:
+        """The media budget: the setting, else two batches' worth of tokens."""
+        return self.settings.max_prepared_media_tokens or 2 * self.batch_tokens()
+
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -192,6 +196,7 @@ class Service:
                 stall_timeout_s=s.stall_timeout_s,
                 inline_prepare_chars=s.inline_prepare_chars,
                 max_request_tokens=s.max_request_tokens,
+                max_prepared_media_tokens=self.prepared_media_tokens(),
             )
             self._batcher.start()
             await self._batcher.warmup()

@@ -141,6 +141,16 @@ class Settings(BaseSettings):
     )
 
     # --- Admission and request limits ------------------------------------------------------------
+    max_prepared_media_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most media soft tokens (images, audio, video; estimated from their headers) being decoded "
+        "or decoded and waiting for the GPU, across all requests; further media wait to be decoded. Each token "
+        "holds ~7 kB of patches until its batch runs (a 1120-token image: 7.7 MB), so this bounds that memory; "
+        "unset: twice max_batch_tokens (32,768 tokens, ~230 MB, on a GPU; 4,096, ~29 MB, on a CPU). Larger "
+        "lets decoding run further ahead of the GPU, smaller saves memory. An item larger than it is decoded "
+        "alone.",
+    )
     max_queued_items: int = Field(
         default=4096,
         ge=1,

@@ -49,6 +49,7 @@ def run(
         "stall_timeout_s": 60,
         "inline_prepare_chars": 0,
         "max_request_tokens": 1_000_000,
+        "max_prepared_media_tokens": 1_000_000,
     }
     args.update(kw)
 
@@ -335,6 +336,42 @@ def test_an_ended_request_stops_its_preparation_and_counts_it_dropped() -> None:
     assert len(engine.prepare_jobs) == 2, "the queued job ran after its request had ended"
     assert metrics.dropped_items.labels("preprocessing")._value.get() == 3
     assert metrics.dropped_items.labels("gpu_queue")._value.get() == 0
+
+
+def test_media_decoded_ahead_of_the_gpu_stays_under_its_budget() -> None:
+    """The GPU is stuck: of two requests' 10 images (284 tokens each for the FakeEngine), only three fit
+    the 852-token budget, so only three are decoded; the rest start as batches complete. A request
+    cancelled while waiting gives back what it held; the budget ends empty."""
+    engine = FakeEngine()
+    images = [Item((MediaPart("image", bytes([i]) * 8),)) for i in range(10)]
+
+    async def body(b: Batcher) -> None:
+        engine.stall()
+        first = asyncio.create_task(b.embed(images[:6], OPTS))
+        second = asyncio.create_task(b.embed(images[6:], OPTS))
+        await until(lambda: len(engine.prepare_jobs) == 3)
+        await asyncio.sleep(0.2)
+        assert len(engine.prepare_jobs) == 3 and b.media_budget.used == 852, b.media_budget.used
+        second.cancel()
+        await asyncio.sleep(0.05)
+        assert b.media_budget.used <= 852
+        engine.release()
+        result = await first
+        assert result.vectors.shape == (6, 768)
+        assert b.media_budget.used == 0
+
+    run(engine, body, max_prepared_media_tokens=3 * 284, preprocess_workers=4)
+    # The six of the first request, and at most what the second had decoded before it was cancelled.
+    assert 6 <= len(engine.prepare_jobs) <= 8
+
+
+def test_an_item_larger_than_the_media_budget_is_decoded_alone() -> None:
+    engine = FakeEngine()
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed([Item((MediaPart("image", b"x"),)), Item((MediaPart("image", b"y"),))], OPTS)
+
+    assert run(engine, body, max_prepared_media_tokens=100).vectors.shape == (2, 768)
 
 
 def test_a_request_over_the_token_limit_is_refused_before_any_work() -> None:

@@ -279,6 +279,7 @@ def _batcher(engine: FakeEngine) -> Batcher:
         stall_timeout_s=60,
         inline_prepare_chars=0,
         max_request_tokens=1_000_000,
+        max_prepared_media_tokens=1_000_000,
     )
 
 
