@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # (its video processor needs torchvision; the 2.13.0 CPU wheel alone has no importable torchvision).
 TORCH   ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: install run test test-gpu lint format typecheck check bench clean
+.PHONY: install run test test-gpu lint format typecheck check bench wheelhouse clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,17 +26,20 @@ test: $(STAMP)
 	$(PY) -m pytest -m "not gpu" -q
 
 ## GPU tests (on the H200): parity, weight memory, unpack overlap. Figures go to $(RESULTS).
+## On a host without internet, with .whl/ from `make wheelhouse` carried there (docs/GPU.md):
+##   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+##   PYTHONPATH=/tmp/site:$$PWD make test-gpu
 RESULTS ?= out
 test-gpu:
 	python3 -m pytest -m gpu -q -s --results $(RESULTS) tests/test_gpu.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check app eg2_runtime tests
-	$(VENV)/bin/ruff format --check app eg2_runtime tests
+	$(VENV)/bin/ruff check app eg2_runtime scripts tests benchmarks
+	$(VENV)/bin/ruff format --check app eg2_runtime scripts tests benchmarks
 
 format: $(STAMP)
-	$(VENV)/bin/ruff check --fix app eg2_runtime tests
-	$(VENV)/bin/ruff format app eg2_runtime tests
+	$(VENV)/bin/ruff check --fix app eg2_runtime scripts tests benchmarks
+	$(VENV)/bin/ruff format app eg2_runtime scripts tests benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -44,9 +47,19 @@ typecheck: $(STAMP)
 check: lint typecheck test
 
 ## The benchmark: on a GPU `make bench`; on a CPU `make bench BENCH_ARGS=--quick` (tiny model).
+## On a GPU host without internet, after the install line of test-gpu above (docs/GPU.md):
+##   PYTHONPATH=/tmp/site:$$PWD python3 -m app.cli bench --out out/bench
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(VENV)/bin/eg2 bench $(BENCH_ARGS)
+
+## The wheels a GPU host without internet needs for the service, test-gpu and bench, into .whl/
+## (git-ignored): what the host's package list (WHEEL_HOST) lacks or holds at another version.
+WHEEL_PYTHON   ?= 3.12
+WHEEL_PLATFORM ?= manylinux_2_39_x86_64
+WHEEL_HOST     ?= scripts/h200-packages.txt
+wheelhouse: $(STAMP)
+	$(PY) scripts/wheelhouse.py --python $(WHEEL_PYTHON) --platform $(WHEEL_PLATFORM) --host $(WHEEL_HOST) --dest .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

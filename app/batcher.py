@@ -37,13 +37,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from app.errors import Overloaded, Unavailable
 from app.metrics import Metrics
-from eg2_runtime.engine import PreparedItem
+from eg2_runtime.api import EngineAPI, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
@@ -54,26 +54,6 @@ JOIN_TIMEOUT_S = 1.0  # how long close() waits for worker threads to finish thei
 # of preprocessing even when empty, so 8 items stay near the cost of 512 characters (78 vs 69 us, dev
 # machine, docs/results/2026-11-30-cpu/prepare_text_cost.txt).
 INLINE_MAX_ITEMS = 8
-
-
-class EngineLike(Protocol):
-    """What the service uses of eg2_runtime.engine.Engine (and tests/fake_engine.FakeEngine)."""
-
-    @property
-    def modalities(self) -> frozenset[str]: ...
-    @property
-    def prompts(self) -> dict[str, str]: ...
-    @property
-    def max_text_tokens(self) -> int: ...
-    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]: ...
-    def prepare_many(
-        self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
-    ) -> list[PreparedItem | EG2Error]: ...
-    def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray: ...
-    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]: ...
-    def capture_graphs(self) -> int: ...
-    def info(self) -> dict[str, Any]: ...
-    def memory(self) -> dict[str, int]: ...
 
 
 class Threads:
@@ -315,7 +295,7 @@ class _Queue:
 class Batcher:
     def __init__(
         self,
-        engine: EngineLike,
+        engine: EngineAPI,
         metrics: Metrics,
         *,
         max_batch_tokens: int,
@@ -353,6 +333,7 @@ class Batcher:
         self.admitted = 0
         self._busy_since: float | None = None
         self._items_per_s = 0.0  # EWMA of GPU throughput, for Retry-After
+        self._modality_tokens: dict[str, int] = {}  # the engine's per-modality limits (warmup)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -360,31 +341,32 @@ class Batcher:
         self._scheduler = asyncio.create_task(self._schedule(), name="eg2-scheduler")
 
     async def warmup(self) -> None:
-        """One full-size batch per modality straight to the GPU: an OOM here fails the boot."""
-        batches = await self._prep.submit(
-            self._engine.warmup_batches, self.max_batch_tokens, self.max_batch_items
-        )
-        for batch in batches:
-            if not batch:
-                continue
-            tokens, modality = sum(p.cost for p in batch), batch[0].modality
-            start = time.monotonic()
-            try:
-                await self._gpu_call(batch)
-            except EngineOutOfMemory as exc:
-                raise EngineOutOfMemory(
-                    f"warm-up ran out of memory on a full {modality} batch ({len(batch)} items, {tokens} tokens): "
-                    f"lower max_batch_tokens or max_batch_items ({exc.message})"
-                ) from exc
-            log.info(
-                "warm-up batch done",
-                extra={
-                    "modality": modality,
-                    "items": len(batch),
-                    "tokens": tokens,
-                    "seconds": time.monotonic() - start,
-                },
+        """The engine's warm-up on the GPU thread: a full-size batch per modality, so an OOM fails the
+        boot. The per-modality batch token limits it returns (the GPU memory plan's, proven to fit)
+        bound batches from then on, under max_batch_tokens."""
+        start = time.monotonic()
+        try:
+            limits = await self.on_gpu_thread(
+                self._engine.warm_up, self.max_batch_items, self.max_batch_tokens
             )
+        except EngineOutOfMemory as exc:
+            raise EngineOutOfMemory(
+                f"warm-up ran out of memory on a full batch: lower max_batch_tokens or max_batch_items, or "
+                f"raise gpu_memory_mib ({exc.message})"
+            ) from exc
+        self._modality_tokens = {m: min(v, self.max_batch_tokens) for m, v in limits.items()}
+        log.info(
+            "warm-up done",
+            extra={"batch_tokens": self._modality_tokens, "seconds": time.monotonic() - start},
+        )
+
+    async def on_gpu_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the one thread that runs the engine's accelerator calls (boot steps)."""
+        return await self._gpu.submit(fn, *args)
+
+    def batch_tokens(self, modality: str) -> int:
+        """The token budget of one batch of `modality`."""
+        return self._modality_tokens.get(modality, self.max_batch_tokens)
 
     async def close(self) -> None:
         if self._scheduler is not None:
@@ -615,10 +597,11 @@ class Batcher:
                 continue
             _, modality = min(heads)
             q = self._queues[modality]
-            full = len(q) >= self.max_batch_items or q.tokens >= self.max_batch_tokens
+            tokens = self.batch_tokens(modality)
+            full = len(q) >= self.max_batch_items or q.tokens >= tokens
             wait_s = q.items[0].enqueued + self._delay_s - time.monotonic()
             if full or wait_s <= 0 or self._preparing[modality] <= 0:
-                batch = q.take(self.max_batch_tokens, self.max_batch_items, self._window)
+                batch = q.take(tokens, self.max_batch_items, self._window)
                 self._metrics.queue_depth.labels(modality).set(len(q))
                 return batch
             self._wakeup.clear()

@@ -37,7 +37,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from eg2_runtime.engine import Engine, PreparedItem
+from eg2_runtime.api import EngineMemory, PreparedItem
+from eg2_runtime.engine import Engine
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.inputs import Item, PrepareOptions
 from eg2_runtime.tools.bench_measure import Budget, Progress, cell_header, stats, time_rounds
@@ -83,6 +84,7 @@ class _Prewarmed:
         self._engine = engine
         self.modalities = engine.modalities
         self.prompts = engine.prompts
+        self.default_prompt_name = engine.default_prompt_name
         self.max_text_tokens = engine.max_text_tokens
 
     def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]:
@@ -96,8 +98,8 @@ class _Prewarmed:
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         return self._engine.embed(batch)
 
-    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
-        return []
+    def warm_up(self, max_batch_items: int, max_batch_tokens: int) -> dict[str, int]:
+        return self._engine.batch_token_limits()
 
     def capture_graphs(self) -> int:  # as `eg2 serve` boots: no request pays for a graph capture
         return self._engine.capture_graphs()
@@ -105,7 +107,7 @@ class _Prewarmed:
     def info(self) -> dict[str, Any]:
         return self._engine.info()
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> EngineMemory:
         return self._engine.memory()
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.settings import Settings, describe_default, env_name, flag_name
+from eg2_runtime.inputs import MATRYOSHKA_DIMS
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +28,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         help_text = f"{info.description} [{env_name(field)}; default: {describe_default(field)}]"
         # `%` in a description would be read as an argparse format
         help_text = help_text.replace("%", "%%")
-        if typing.get_origin(info.annotation) is None and info.annotation is bool:
+        # bool, or bool | None (unset: decided elsewhere): --flag / --no-flag
+        if info.annotation is bool or set(typing.get_args(info.annotation)) == {bool, type(None)}:
             parser.add_argument(
                 flag_name(field), dest=field, action=argparse.BooleanOptionalAction, help=help_text
             )
@@ -217,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     embed = sub.add_parser("embed", help="embed inputs in-process and print the vectors")
     embed.add_argument("--model", help="checkpoint directory (default: the demo checkpoint)")
-    embed.add_argument("--dimensions", type=int, choices=(128, 256, 512, 768))
+    embed.add_argument("--dimensions", type=int, choices=sorted(MATRYOSHKA_DIMS))
     embed.add_argument("--json", action="store_true", help="print every full vector as a JSON line")
     embed.add_argument("--device", default="auto", help="auto, cuda or cpu")
     embed.add_argument(

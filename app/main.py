@@ -15,7 +15,6 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.middleware.cors import CORSMiddleware
 
-from app.batcher import EngineLike
 from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.middleware import AuthMiddleware, BodyMiddleware, RequestContextMiddleware, public_paths
@@ -23,9 +22,10 @@ from app.routes import router
 from app.schemas import EmbeddingRequest
 from app.service import Service
 from app.settings import Settings
+from eg2_runtime.api import EngineAPI
 
 
-def create_app(settings: Settings, engine: EngineLike | None = None) -> FastAPI:
+def create_app(settings: Settings, engine: EngineAPI | None = None) -> FastAPI:
     metrics = Metrics()
     service = Service(settings, metrics, engine)
 

@@ -83,8 +83,13 @@ class Metrics:
             ["kind"],
             registry=r,
         )
-        self.gpu_allocated_bytes = Gauge(
-            "eg2_gpu_allocated_bytes", "Accelerator memory allocated by the engine (0 on CPU)", registry=r
+        self.gpu_memory_bytes = Gauge(
+            "eg2_gpu_memory_bytes",
+            "GPU memory (absent on CPU): process = this process's own, as nvidia-smi shows it (context, "
+            "libraries, weights, graphs, activations: what a co-located model cannot use); budget = the "
+            "most the engine plans for; allocated / reserved = torch's allocator counters",
+            ["kind"],
+            registry=r,
         )
         self.ready = Gauge("eg2_ready", "1 once weights are loaded and warm-up ran, 0 otherwise", registry=r)
         self.gpu_busy_seconds = Gauge(

@@ -41,12 +41,11 @@ from fastapi import APIRouter, FastAPI
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.batcher import EngineLike
-
 # Module level, not inside the function: FastAPI resolves the route's string annotations here.
 from app.routes import ServiceDep
 from app.routes import info as app_info
 from app.settings import Settings
+from eg2_runtime.api import EngineAPI
 
 log = logging.getLogger("eg2.ray")
 
@@ -313,7 +312,7 @@ def _add_replica_to_info(app: FastAPI, identity: dict[str, Any]) -> None:
 
 
 def build_replica_app(
-    settings: Settings, identity: dict[str, Any], engine: EngineLike | None = None
+    settings: Settings, identity: dict[str, Any], engine: EngineAPI | None = None
 ) -> FastAPI:
     """The app one replica serves: create_app plus readiness-after-warm-up and its identity.
 

@@ -20,7 +20,7 @@ from app.errors import ClientGone, Unavailable, error_body
 from app.media import MediaResolver
 from app.schemas import EmbeddingResponse, ErrorBody, ModelCard, ModelList, encode_embeddings, parse_request
 from app.service import Service, State
-from eg2_runtime.engine import matryoshka
+from eg2_runtime.api import matryoshka
 from eg2_runtime.errors import InputError
 from eg2_runtime.inputs import MATRYOSHKA_DIMS
 
@@ -151,7 +151,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "aliases": s.aliases,
         "demo": service.demo,
         "state": service.state.value,
-        "version": getattr(eg2_runtime, "__version__", None) or _package_version(),
+        "version": eg2_runtime.__version__,
         "modalities": sorted(engine.modalities),
         "dimensions": sorted(MATRYOSHKA_DIMS),
         "prompts": sorted(engine.prompts),
@@ -172,12 +172,3 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "engine": engine.info(),
         "memory": engine.memory(),
     }
-
-
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("eg2-serve")
-    except PackageNotFoundError:
-        return "unknown"

@@ -15,10 +15,10 @@ from types import FrameType
 
 import uvicorn
 
-from app.batcher import EngineLike
 from app.main import create_app
 from app.service import Service
 from app.settings import Settings
+from eg2_runtime.api import EngineAPI
 
 log = logging.getLogger("eg2.server")
 
@@ -47,7 +47,7 @@ class Server(uvicorn.Server):
         return int(self.servers[0].sockets[0].getsockname()[1])
 
 
-def build_server(settings: Settings, engine: EngineLike | None = None) -> Server:
+def build_server(settings: Settings, engine: EngineAPI | None = None) -> Server:
     app = create_app(settings, engine)
     config = uvicorn.Config(
         app,
@@ -100,7 +100,7 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
         return False
 
 
-def serve(settings: Settings, engine: EngineLike | None = None) -> int:
+def serve(settings: Settings, engine: EngineAPI | None = None) -> int:
     """Run until drained or failed; the process exit code."""
     tune_malloc()
     server = build_server(settings, engine)

@@ -25,13 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.batcher import Batcher, Embedded, EngineLike
+from app.batcher import Batcher, Embedded
 from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
 from app.schemas import EmbeddingRequest
 from app.settings import Settings
-from eg2_runtime.errors import EG2Error, InputError
-from eg2_runtime.inputs import Item, PrepareOptions
+from eg2_runtime.api import EngineAPI
+from eg2_runtime.errors import EG2Error
+from eg2_runtime.inputs import Item, PrepareOptions, resolve_prompt
 
 log = logging.getLogger("eg2.service")
 
@@ -104,7 +105,7 @@ def freeze_startup_heap() -> float:
     return time.monotonic() - start
 
 
-def load_engine(settings: Settings) -> EngineLike:
+def load_engine(settings: Settings) -> EngineAPI:
     """Engine.from_dir under the settings (blocking: run it off the event loop)."""
     if settings.model is None:
         log.warning(DEMO_BANNER)
@@ -116,10 +117,12 @@ def load_engine(settings: Settings) -> EngineLike:
     from eg2_runtime.engine import Engine, EngineOptions  # pulls in torch: only when really loading
 
     options = EngineOptions(
+        gpu_memory_budget=None if settings.gpu_memory_mib is None else settings.gpu_memory_mib << 20,
+        max_forward_tokens=settings.max_batch_tokens,
         graph_max_tokens=settings.cuda_graph_max_tokens,
         host_token_table=settings.host_token_table,
     )
-    engine: EngineLike = Engine.from_dir(
+    engine: EngineAPI = Engine.from_dir(
         model_dir,
         device=settings.device,
         modalities=None if settings.modalities is None else frozenset(settings.modalities),
@@ -136,7 +139,7 @@ GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
 class Service:
     """Owns the engine and the batcher of one app."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, engine: EngineLike | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, engine: EngineAPI | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.demo = settings.model is None and engine is None
@@ -153,7 +156,7 @@ class Service:
         self._frozen = False  # this service froze the startup heap (freeze_startup_heap)
 
     @property
-    def engine(self) -> EngineLike:
+    def engine(self) -> EngineAPI:
         if self._engine is None or self.state is State.LOADING:
             raise Unavailable("the model is loading; retry shortly", headers={"retry-after": "5"})
         return self._engine
@@ -163,10 +166,11 @@ class Service:
         return self._batcher
 
     def batch_tokens(self) -> int:
-        """The token budget: the setting, else a default for where the engine runs."""
+        """The token budget: the setting, else a default for where the engine runs (on a GPU the
+        engine's memory plan sets tighter limits per modality, Batcher.warmup)."""
         if self.settings.max_batch_tokens is not None:
             return self.settings.max_batch_tokens
-        on_gpu = self._engine is not None and self._engine.memory().get("gpu_allocated_bytes", 0) > 0
+        on_gpu = self._engine is not None and "gpu_budget_bytes" in self._engine.memory()
         return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
 
     def prepared_media_tokens(self) -> int:
@@ -201,8 +205,9 @@ class Service:
             self._batcher.start()
             await self._batcher.warmup()
             if s.cuda_graphs_at_start:
-                await asyncio.to_thread(self._engine.capture_graphs)
+                await self._batcher.on_gpu_thread(self._engine.capture_graphs)
             self._publish_memory()
+            log.info("GPU memory after warm-up", extra={"memory": self._engine.memory()})
         except (StartupError, EG2Error) as exc:
             self._fail(getattr(exc, "message", None) or str(exc))
             return
@@ -297,15 +302,10 @@ class Service:
             )
 
     def prepare_options(self, request: EmbeddingRequest) -> PrepareOptions:
-        prompt = request.prompt
-        if request.prompt_name is not None:
-            prompts = self.engine.prompts
-            if request.prompt_name not in prompts:
-                known = ", ".join(sorted(prompts)) or "none"
-                raise InputError(
-                    f"unknown prompt_name {clip(request.prompt_name)!r}; known: {known}", param="prompt_name"
-                )
-            prompt = prompts[request.prompt_name]
+        engine = self.engine
+        prompt = resolve_prompt(
+            engine.prompts, engine.default_prompt_name, request.prompt_name, request.prompt
+        )
         return PrepareOptions(prompt=prompt, truncate=request.truncate, image_tokens=request.image_tokens)
 
     async def embed(self, items: list[Item], options: PrepareOptions) -> Embedded:
@@ -332,7 +332,15 @@ class Service:
         memory = self._engine.memory()
         self.metrics.weight_bytes.labels("resident").set(memory.get("weight_bytes_resident", 0))
         self.metrics.weight_bytes.labels("bf16_equivalent").set(memory.get("weight_bytes_bf16_equivalent", 0))
-        self.metrics.gpu_allocated_bytes.set(memory.get("gpu_allocated_bytes", 0))
+        on_gpu = {
+            "process": memory.get("process_gpu_bytes"),
+            "budget": memory.get("gpu_budget_bytes"),
+            "allocated": memory.get("gpu_allocated_bytes"),
+            "reserved": memory.get("gpu_reserved_bytes"),
+        }
+        for kind, value in on_gpu.items():
+            if value is not None:
+                self.metrics.gpu_memory_bytes.labels(kind).set(value)
 
     def refresh_metrics(self) -> None:
         """Gauges read at scrape time."""

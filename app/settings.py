@@ -1,8 +1,8 @@
 """Service settings: every knob an operator turns, from `EG2_*` environment variables or `eg2 serve` flags.
 
 One `Settings` object is built at start and passed down; nothing else in the project reads os.environ.
-Each field's description states what it does and what it trades; `eg2 serve --help` and the settings
-table in README.md are generated from these descriptions (`markdown_table`).
+Each field's description states what it does and what it trades; `eg2 serve --help` and
+docs/SETTINGS.md are generated from these descriptions (`python -m app.settings > docs/SETTINGS.md`).
 Architecture parameters are not here: they come from the checkpoint's config.json (eg2_runtime.config).
 """
 
@@ -73,26 +73,40 @@ class Settings(BaseSettings):
         "(hybrid-w4 checkpoints are always served packed). Saves ~45% of weight memory for a few seconds "
         "of start-up; `eg2 quantize` does the same once, ahead of time.",
     )
-    host_token_table: bool = Field(
-        default=False,
+    gpu_memory_mib: int | None = Field(
+        default=None,
+        ge=256,
+        description="The most GPU memory the process may hold, in MiB, everything included (what nvidia-smi "
+        "shows for it: CUDA context, weights, CUDA graphs, activations). The engine sizes its graph pool, "
+        "its per-modality batch limits and the token table's place from it, and caps its allocator there: "
+        "a batch that would not fit is split, never run past the budget. Unset: 2000 with a media tower "
+        "loaded, and with text only the least that serves an 8,192-token text. Larger: bigger graph "
+        "buckets and batches (fewer replays per batch), for memory a co-located model loses; too small "
+        "to hold the weights and the largest request fails the start, naming the minimum. GPU only; "
+        "docs/PERF.md measures what each size buys.",
+    )
+    host_token_table: bool | None = Field(
+        default=None,
         description="Keep the 256 MiB token-embedding table in pinned host memory (GPU only): resident "
         "weights drop from 0.56x to 0.38x of BF16, for a host-side gather and one copy of the batch's "
         "embeddings per forward (H200: 64 short docs 3,067 vs 3,177 items/s, within run-to-run noise "
-        "elsewhere). Vectors are bit-identical.",
+        "elsewhere). Vectors are bit-identical. Unset: the memory budget decides (it moves the table when "
+        "the graph pool would otherwise be too small).",
     )
     cuda_graph_max_tokens: int = Field(
         default=16384,
         ge=0,
         description="CUDA graphs for the text encoder, for padded batches (items x longest) up to this "
-        "many tokens; 0 turns them off. Short inputs run up to 10x faster (1 query: 3.5 vs 41 ms on "
-        "the H200; launches are most of their cost). Batches are padded up to a bucket, and the graph "
-        "memory pool keeps the largest bucket's activations for good. GPU only.",
+        "many tokens, and at most what the GPU memory budget's graph pool holds; 0 turns them off. Short "
+        "inputs run up to 10x faster (1 query: 3.5 vs 41 ms on the H200; launches are most of their "
+        "cost). A larger batch of short rows runs as several replays. GPU only.",
     )
     cuda_graphs_at_start: bool = Field(
         default=True,
-        description="Capture every text graph bucket at start (125 buckets: 14 s and ~1.3 GB of graph "
-        "memory on the H200) so no request pays for a capture (~0.1 s); false captures each bucket on "
-        "first use instead, for a faster start and a pool sized by the traffic seen.",
+        description="Capture at start the graphs short requests take (one text up to 512 tokens, batches "
+        "of short texts, one image, one clip), so they never pay for a capture; other buckets are "
+        "captured on first use (~0.1 s each), within the memory budget. False captures every bucket on "
+        "first use: a faster start.",
     )
     cache_dir: Path = Field(
         default_factory=lambda: Path.home() / ".cache" / "eg2",
@@ -104,10 +118,11 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         description="Token budget of one forward pass (sum of item costs, media soft tokens included); "
-        "unset: 16384 on a GPU, 2048 on a CPU (where a full batch of 1120-token images takes seconds). "
-        "Larger: better GPU utilisation and throughput, more activation memory and a longer wait for "
-        "the items in the batch. Warm-up runs a full batch of each modality, so a value too large for "
-        "the GPU fails at start, not under traffic. An item larger than the budget runs alone.",
+        "unset: on a GPU the memory budget's per-modality limits (gpu_memory_mib), on a CPU 2048 (where "
+        "a full batch of 1120-token images takes seconds). Set, it caps those limits. Larger: better GPU "
+        "utilisation and throughput, more activation memory and a longer wait for the items in the "
+        "batch. Warm-up runs a full batch of each modality, so a value too large for the GPU fails at "
+        "start, not under traffic. An item larger than the budget runs alone.",
     )
     max_batch_items: int = Field(
         default=64,
@@ -385,7 +400,7 @@ def describe_default(field: str) -> str:
 
 
 def markdown_table() -> str:
-    """The settings table of README.md, generated from the field descriptions."""
+    """The settings table of docs/SETTINGS.md, generated from the field descriptions."""
     rows = ["| flag / env var | default | what it does, and the trade-off |", "|---|---|---|"]
     for field, info in Settings.model_fields.items():
         description = (info.description or "").replace("|", "\\|")
@@ -393,3 +408,25 @@ def markdown_table() -> str:
             f"| `{flag_name(field)}` `{env_name(field)}` | {describe_default(field)} | {description} |"
         )
     return "\n".join(rows) + "\n"
+
+
+SETTINGS_INTRO = """\
+# Settings
+
+<!-- Generated from app/settings.py: `python -m app.settings > docs/SETTINGS.md`. A test fails when
+     this page and the code drift apart. -->
+
+Every setting is a flag of `eg2 serve` and an `EG2_*` environment variable (flags win); lists are
+comma-separated. Nothing else reads the environment. The architecture is never a setting: it comes
+from the checkpoint's `config.json`.
+
+"""
+
+
+def settings_page() -> str:
+    """docs/SETTINGS.md: the introduction, then `markdown_table`."""
+    return SETTINGS_INTRO + markdown_table()
+
+
+if __name__ == "__main__":
+    print(settings_page(), end="")

@@ -1,21 +1,38 @@
 """Architecture configuration: frozen dataclasses built from a checkpoint's config.json.
 
 This is the only place that reads config.json. Field names follow the Hugging Face config where
-they exist there; derived values (per-layer head dims, kv heads, rope theta) are resolved here once
-so the modules never look at raw dicts.
+they exist there (`HF_NAMES` maps the others); derived values (per-layer head dims, kv heads, rope
+theta) are resolved here once so the modules never look at raw dicts. A default is written once, on
+its dataclass field: a key config.json leaves out keeps it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from eg2_runtime.errors import CheckpointError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# The text config's per-layer values where config.json gives neither a global nor a per-layer one
+# (the sliding layers' shape), and its RoPE when it gives none.
+TEXT_HEAD_DIM, TEXT_KV_HEADS = 256, 2
+TEXT_ROPE = {SLIDING: {"rope_theta": 10_000.0}, FULL: {"rope_theta": 1_000_000.0}}
+
+
+def read_fields(cls: Any, d: dict[str, Any]) -> dict[str, Any]:
+    """The fields of dataclass `cls` that config.json's `d` sets, each under its Hugging Face name
+    (`cls.HF_NAMES`, else its own). Fields `d` leaves out are absent: the dataclass default applies."""
+    names: dict[str, str] = getattr(cls, "HF_NAMES", {})
+    return {f.name: d[names.get(f.name, f.name)] for f in fields(cls) if names.get(f.name, f.name) in d}
+
+
+def default(cls: Any, name: str) -> Any:
+    """The default written on field `name` of dataclass `cls`."""
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 @dataclass(frozen=True)
@@ -38,40 +55,38 @@ class TextConfig:
     eos_token_id: int = 1
     bos_token_id: int = 2
 
+    HF_NAMES: ClassVar[dict[str, str]] = {
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "ple_dim": "hidden_size_per_layer_input",
+    }
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TextConfig:
-        n = d.get("num_hidden_layers", 24)
+        given = read_fields(cls, d)
+        n = given.get("num_layers", default(cls, "num_layers"))
         layer_types = tuple(d.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(n)])
         overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
-        head_dims = tuple(overrides.get(i, {}).get("head_dim", d.get("head_dim", 256)) for i in range(n))
-        kv_heads = tuple(
-            overrides.get(i, {}).get("num_key_value_heads", d.get("num_key_value_heads", 2)) for i in range(n)
+        head_dims = tuple(
+            overrides.get(i, {}).get("head_dim", d.get("head_dim", TEXT_HEAD_DIM)) for i in range(n)
         )
-        rope = d.get("rope_parameters") or {
-            SLIDING: {"rope_theta": 10_000.0},
-            FULL: {"rope_theta": 1_000_000.0},
-        }
+        kv_heads = tuple(
+            overrides.get(i, {}).get("num_key_value_heads", d.get("num_key_value_heads", TEXT_KV_HEADS))
+            for i in range(n)
+        )
+        rope = d.get("rope_parameters") or TEXT_ROPE
         for kind, params in rope.items():
             if params.get("rope_type", "default") != "default":
                 raise ValueError(f"text rope_type {params['rope_type']!r} for {kind} is not supported")
-        return cls(
-            vocab_size=d.get("vocab_size", 262_144),
-            hidden_size=d.get("hidden_size", 512),
-            intermediate_size=d.get("intermediate_size", 2048),
-            num_layers=n,
-            num_heads=d.get("num_attention_heads", 4),
-            layer_types=layer_types,
-            head_dims=head_dims,
-            kv_heads=kv_heads,
-            rope_thetas={k: float(v["rope_theta"]) for k, v in rope.items()},
-            sliding_window=d.get("sliding_window", 512),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            ple_dim=d.get("hidden_size_per_layer_input", 512),
-            embedding_dim=d.get("embedding_dim", 768),
-            pad_token_id=d.get("pad_token_id", 0),
-            eos_token_id=_first(d.get("eos_token_id", 1)),
-            bos_token_id=d.get("bos_token_id", 2),
-        )
+        derived: dict[str, Any] = {
+            "layer_types": layer_types,
+            "head_dims": head_dims,
+            "kv_heads": kv_heads,
+            "rope_thetas": {k: float(v["rope_theta"]) for k, v in rope.items()},
+        }
+        if "eos_token_id" in given:
+            derived["eos_token_id"] = _first(given["eos_token_id"])
+        return cls(**{**given, **derived})
 
 
 @dataclass(frozen=True)
@@ -90,26 +105,19 @@ class VisionConfig:
     use_clipped_linears: bool = False
     standardize: bool = False
 
+    HF_NAMES: ClassVar[dict[str, str]] = {
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads",
+    }
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VisionConfig:
-        rope = d.get("rope_parameters") or {"rope_type": "axial", "rope_theta": 100.0}
+        rope = d.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"vision rope_type {rope['rope_type']!r} is not supported")
-        return cls(
-            hidden_size=d.get("hidden_size", 768),
-            intermediate_size=d.get("intermediate_size", 3072),
-            num_layers=d.get("num_hidden_layers", 16),
-            num_heads=d.get("num_attention_heads", 12),
-            num_kv_heads=d.get("num_key_value_heads", 12),
-            head_dim=d.get("head_dim", 64),
-            patch_size=d.get("patch_size", 16),
-            pooling_kernel_size=d.get("pooling_kernel_size", 3),
-            position_embedding_size=d.get("position_embedding_size", 10 * 1024),
-            rope_theta=float(rope.get("rope_theta", 100.0)),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            use_clipped_linears=d.get("use_clipped_linears", False),
-            standardize=d.get("standardize", False),
-        )
+        derived = {"rope_theta": float(rope["rope_theta"])} if "rope_theta" in rope else {}
+        return cls(**{**read_fields(cls, d), **derived})
 
 
 @dataclass(frozen=True)
@@ -130,28 +138,25 @@ class AudioConfig:
     gradient_clipping: float = 1e10
     output_proj_dims: int = 1536
 
+    HF_NAMES: ClassVar[dict[str, str]] = {
+        "num_layers": "num_hidden_layers",
+        "num_heads": "num_attention_heads",
+        "chunk_size": "attention_chunk_size",
+        "context_left": "attention_context_left",
+        "context_right": "attention_context_right",
+        "logit_cap": "attention_logit_cap",
+        "invalid_logits_value": "attention_invalid_logits_value",
+    }
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AudioConfig:
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"audio hidden_act {d['hidden_act']!r} is not supported")
-        c0, c1 = d.get("subsampling_conv_channels", (128, 32))
-        return cls(
-            hidden_size=d.get("hidden_size", 1024),
-            num_layers=d.get("num_hidden_layers", 12),
-            num_heads=d.get("num_attention_heads", 8),
-            subsampling_conv_channels=(c0, c1),
-            conv_kernel_size=d.get("conv_kernel_size", 5),
-            residual_weight=d.get("residual_weight", 0.5),
-            chunk_size=d.get("attention_chunk_size", 12),
-            context_left=d.get("attention_context_left", 13),
-            context_right=d.get("attention_context_right", 0),
-            logit_cap=d.get("attention_logit_cap", 50.0),
-            invalid_logits_value=d.get("attention_invalid_logits_value", -1.0e9),
-            use_clipped_linears=d.get("use_clipped_linears", True),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            gradient_clipping=d.get("gradient_clipping", 1e10),
-            output_proj_dims=d.get("output_proj_dims", 1536),
-        )
+        given = read_fields(cls, d)
+        if "subsampling_conv_channels" in given:
+            c0, c1 = given["subsampling_conv_channels"]
+            given["subsampling_conv_channels"] = (c0, c1)
+        return cls(**given)
 
 
 @dataclass(frozen=True)
@@ -198,23 +203,22 @@ class ModelConfig:
     quantization: QuantConfig | None = None
     torch_dtype: str | None = None  # as stored in config.json ("bfloat16", "float32", ...)
 
+    HF_NAMES: ClassVar[dict[str, str]] = {"eoa_token_id": "eoa_token_index"}
+    # Built below from their own sections, never read as plain values.
+    _SECTIONS: ClassVar[tuple[str, ...]] = ("text", "vision", "audio", "quantization", "torch_dtype")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         vision, audio = d.get("vision_config"), d.get("audio_config")
         quant = d.get("quantization_config")
+        ids = {k: v for k, v in read_fields(cls, d).items() if k not in cls._SECTIONS}
         return cls(
             text=TextConfig.from_dict(d.get("text_config") or {}),
             vision=VisionConfig.from_dict(vision) if vision else None,
             audio=AudioConfig.from_dict(audio) if audio else None,
-            boi_token_id=d.get("boi_token_id", 255_999),
-            eoi_token_id=d.get("eoi_token_id", 258_882),
-            image_token_id=d.get("image_token_id", 258_880),
-            video_token_id=d.get("video_token_id", 258_884),
-            boa_token_id=d.get("boa_token_id", 256_000),
-            eoa_token_id=d.get("eoa_token_index", 258_883),
-            audio_token_id=d.get("audio_token_id", 258_881),
             quantization=QuantConfig.from_dict(quant) if quant else None,
             torch_dtype=d.get("dtype") or d.get("torch_dtype"),
+            **ids,
         )
 
     @classmethod

@@ -1,17 +1,19 @@
-"""Engine: the one contract between the service and the model.
+"""Engine: the runtime's side of the contract in eg2_runtime/api.py (EngineAPI).
 
     estimate_many(items, options) -> [int, ...] CPU only, thread-safe: each item's tokens from headers
     prepare(item, options) -> PreparedItem      CPU only, thread-safe: decode, tokenize, featurize
     prepare_many(items, options) -> [...]       the same for many items: media decoded on a thread
                                                 pool, all text tokenized in one call
     embed([PreparedItem, ...]) -> (B, 768) f32  the accelerator; call from exactly one thread
+    warm_up / capture_graphs                    at boot, on that same thread
 
-The service sees only a PreparedItem's `modality`, `num_tokens` and `cost`; the model inputs it
-carries are opaque to it. Vectors come back as unit-norm float32 numpy rows; `matryoshka` cuts them.
+On a GPU the engine lives within a memory budget (memory_plan.py): the graph pool, the batch limits
+and the token table's place follow from it. Vectors come back as unit-norm float32 numpy rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -19,8 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,72 +29,77 @@ import numpy as np
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+import eg2_runtime
+from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
-from eg2_runtime.graphs import GraphedTextEncoder
+from eg2_runtime.gpu_memory import ProcessGpuMemory, set_cuda_stack_limit
+from eg2_runtime.graphs import LENGTH_LADDER, GraphedTextEncoder
 from eg2_runtime.inputs import (
     IMAGE_TOKEN_BUDGETS,
     MATRYOSHKA_DIMS,
     Item,
     MediaPart,
-    Modality,
     PrepareOptions,
     TextPart,
 )
 from eg2_runtime.layers import use_fused_norms
 from eg2_runtime.loader import LoadReport, load_model
+from eg2_runtime.memory_plan import MIB, ActivationCosts, Footprint, MemoryPlan, default_budget, plan
 from eg2_runtime.model import EG2Model
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
-from eg2_runtime.preprocess.image import unit_pixels
-from eg2_runtime.preprocess.layout import PIXEL_INPUTS
 from eg2_runtime.tower_graphs import GraphedTowers
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class PreparedItem:
-    modality: Modality  # batch key: items of one modality are batched together
-    num_tokens: int  # tokens the text encoder sees, soft tokens and markers included (usage)
-    cost: int  # what this item spends of a batch's token budget
-    inputs: Any = field(repr=False, default=None)  # model inputs (tensors); opaque to the service
-
-
-def matryoshka(vectors: np.ndarray, dim: int) -> np.ndarray:
-    """Keep the leading `dim` dimensions of (B, 768) unit vectors and L2-renormalize them."""
-    if dim not in MATRYOSHKA_DIMS:
-        raise ValueError(f"dimensions must be one of {MATRYOSHKA_DIMS}, got {dim}")
-    cut = vectors[:, :dim].astype(np.float32, copy=True)
-    cut /= np.maximum(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12)
-    return cut
+# The base (CUDA context, libraries) when NVML cannot measure it: the H200's, 754 MiB after load
+# (benchmarks/probe_memory_media.py, 2026-12-01), rounded up.
+DEFAULT_BASE = 768 * MIB
+# Kernels that load after the base is measured (cuDNN attention in the towers, Triton kernels of
+# other shapes): 8 MiB on the H200 once every modality had run.
+BASE_MARGIN = 16 * MIB
+# The graphs' static input buffers: text embeddings up to the largest bucket, tower pixels as uint8.
+STATIC_BUFFERS = 24 * MIB
 
 
 @dataclass(frozen=True)
 class EngineOptions:
     """How the engine runs a loaded model: speed and memory trade-offs, not the architecture."""
 
-    # Padded tokens (items x longest) per forward: larger batches are split into several forwards.
-    # Bounds activation memory (and what the allocator keeps afterwards) at a small cost in
-    # throughput for very large calls. None: no split.
-    max_forward_tokens: int | None = 16384
-    # CUDA graphs for the text encoder, for buckets up to this many padded tokens; 0 turns them
-    # off. Short inputs run ~10x faster (no launch overhead), for ~0.1 s of capture per bucket
-    # (125 buckets: 14 s on the H200) and one shared graph memory pool as large as the largest
-    # bucket's activations (~1.3 GB with every bucket captured).
+    # The process's GPU memory budget in bytes, everything included (memory_plan.py sizes the graph
+    # pool, the batch limits and the token table's place from it, and caps the allocator). None:
+    # memory_plan.default_budget. CUDA only.
+    gpu_memory_budget: int | None = None
+    # The operator's cap on one forward's padded tokens (items x longest), over the memory plan's
+    # own per-modality limits; on a CPU, the only limit. Larger batches are split into several
+    # forwards. None: the plan's limits (on a CPU: no split).
+    max_forward_tokens: int | None = None
+    # CUDA graphs for the text encoder, for buckets up to this many padded tokens (and at most what
+    # the memory plan's pool holds); 0 turns them off. Short inputs run ~10x faster (no launch
+    # overhead), for ~0.1 s of capture per bucket, on first use or at start (capture_graphs).
     graph_max_tokens: int = 16384
     # One Triton kernel per RMSNorm on CUDA (rmsnorm_triton.py) instead of nine torch kernels: the
     # norms are most of the text encoder's launches. Agrees with the reference to float rounding.
     fused_norms: bool = True
     # Keep the 256 MiB token-embedding table in pinned host memory (CUDA only): fewer resident
-    # bytes, for a host gather and a (B, T, H) copy per forward.
-    host_token_table: bool = False
+    # bytes, for a host gather and a (B, T, H) copy per forward. None: the memory plan decides.
+    host_token_table: bool | None = None
     # prepare_many's media threads. Images scale with threads (H200 host, 16 images: 20 ms each on
     # 1 thread, 5.2 on 16). Audio did not (7.7 ms per clip on 1 to 16 threads) until numpy's BLAS
     # was held to one thread (single_threaded_numpy_blas): 16 clips on 2 threads of the 2-core dev
     # machine, 2.75 -> 1.86 ms per clip (a lone clip 2.20 -> 2.75 ms; docs/results/2026-11-30-cpu/).
     prepare_threads: int = min(16, os.cpu_count() or 1)
-    # CUDA graphs for the vision and audio towers at small batches (tower_graphs.py), with the text
-    # graphs. Off until the capture has run on a GPU: tested on the CPU only so far.
-    tower_graphs: bool = False
+    # The per-thread stack bytes the CUDA context reserves local memory for (gpu_memory.
+    # set_cuda_stack_limit): 256 instead of the runtime's 1,024 gives back ~200 MiB of process
+    # memory on the H200; a kernel that needs more makes the driver grow it. None leaves the default.
+    cuda_stack_bytes: int | None = 256
+    # CUDA graphs for the vision and audio towers (tower_graphs.py), with the text graphs: one image
+    # 82 -> 12 ms, one 9.3 s clip 122 -> 8.4 ms (H200, packed, benchmarks/probe_memory_media.py).
+    tower_graphs: bool = True
+    # The text encoder's memory-lean path (TextEncoder.forward `lean`): sliding-window layers of long
+    # texts attend block by block (memory and work grow with T x 3 x window, not T^2) and each
+    # layer's PLE slice is computed when it runs (24x fewer PLE bytes alive). The same result to
+    # float rounding; off runs the reference's dense masks and up-front PLE.
+    lean_text: bool = True
 
 
 class Engine:
@@ -106,7 +112,10 @@ class Engine:
         preprocessor: Preprocessor,
         model_dir: Path,
         options: EngineOptions | None = None,
+        gpu_memory: ProcessGpuMemory | None = None,
     ) -> None:
+        """`gpu_memory`: the reader of this process's GPU memory, made before the weights loaded
+        (its fallback needs the device's memory from before this process used it)."""
         self.model = model
         self.report = report
         self.preprocessor = preprocessor
@@ -115,23 +124,82 @@ class Engine:
         self.device = model.language_model.embedding_projection.weight.device
         self.modalities = frozenset(model.modalities)
         self.prompts = dict(preprocessor.prompts.prompts)
+        self.default_prompt_name = preprocessor.prompts.default_name
         self.max_text_tokens = preprocessor.max_tokens
         self._digest: str | None = None
         self._digest_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()  # prepare_many runs on many threads (the service's pool)
         single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
-        if options.host_token_table:
-            report.host_bytes = model.language_model.keep_table_on_host()
-            report.resident_bytes -= report.host_bytes
-        if options.fused_norms and self.device.type == "cuda":
-            _fuse_norms(model)
+        self.gpu_memory = gpu_memory or ProcessGpuMemory()
+        self.plan: MemoryPlan | None = None
         self.graphs: GraphedTextEncoder | None = None
-        if options.graph_max_tokens and self.device.type == "cuda":
-            self.graphs = GraphedTextEncoder(model.language_model, options.graph_max_tokens)
         self.towers: GraphedTowers | None = None
+        if self.device.type != "cuda":
+            if options.host_token_table:
+                self._table_to_host()
+            return
+        if options.fused_norms:
+            _fuse_norms(model)
+        if options.cuda_stack_bytes is not None:
+            torch.cuda.synchronize(self.device)
+            set_cuda_stack_limit(options.cuda_stack_bytes)
+        self.plan = self._plan()
+        if options.host_token_table or (options.host_token_table is None and self.plan.host_token_table):
+            self._table_to_host()
+        torch.cuda.empty_cache()
+        # The allocator's hard cap: a batch that does not fit fails (the batcher splits it) instead of
+        # taking memory past the budget. Graph pools count too.
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, self.plan.allocator_limit / total), self.device)
+        pool = torch.cuda.graph_pool_handle()  # one pool for the text and the tower graphs
+        if options.graph_max_tokens:
+            tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
+            self.graphs = GraphedTextEncoder(model.language_model, tokens, pool=pool)
         if self.graphs is not None and options.tower_graphs and self.modalities - {"text"}:
-            self.towers = GraphedTowers(model)
+            self.towers = GraphedTowers(
+                model,
+                vision_slots=self.plan.graph_vision_slots,
+                audio_tokens=self.plan.graph_audio_tokens,
+                tower_slots=self.plan.tower_slots,
+                pool=pool,
+            )
+        log.info("GPU memory plan: %s", self.plan.describe())
+
+    def _plan(self) -> MemoryPlan:
+        """The memory plan for this model, from the base measured now (after a small forward has
+        loaded the libraries' kernels)."""
+        cfg = self.model.config
+        with torch.inference_mode():
+            embeds = torch.zeros(1, 8, cfg.text.hidden_size, dtype=self.model.dtype, device=self.device)
+            self.model.encode(embeds, torch.ones(1, 8, dtype=torch.long, device=self.device), lean=True)
+        torch.cuda.synchronize(self.device)
+        reading = self.gpu_memory.read()
+        if reading is None:
+            log.warning(
+                "NVML is unavailable: the GPU memory plan assumes a base of %d MiB", DEFAULT_BASE // MIB
+            )
+            base = DEFAULT_BASE
+        else:
+            base = reading.bytes - torch.cuda.memory_reserved(self.device) + BASE_MARGIN
+        table = self.model.language_model.embed_tokens.weight
+        unpacker = self.model.unpacker
+        footprint = Footprint(
+            base=base,
+            weights=self.report.resident_bytes,
+            table=table.nbytes if table.device == self.device else 0,
+            fixed=(unpacker.scratch_bytes if unpacker is not None else 0) + STATIC_BUFFERS,
+            costs=ActivationCosts.from_config(cfg, self.model.dtype.itemsize),
+            modalities=self.modalities,
+            max_text_tokens=self.max_text_tokens,
+            max_batch_tokens=self.options.max_forward_tokens,
+        )
+        budget = self.options.gpu_memory_budget
+        return plan(budget if budget is not None else default_budget(footprint), footprint)
+
+    def _table_to_host(self) -> None:
+        self.report.host_bytes = self.model.language_model.keep_table_on_host()
+        self.report.resident_bytes -= self.report.host_bytes
 
     @classmethod
     def from_dir(
@@ -152,11 +220,12 @@ class Engine:
         """
         model_dir = Path(model_dir)
         t0 = time.perf_counter()
+        gpu_memory = ProcessGpuMemory()  # before the weights: see ProcessGpuMemory
         wanted = frozenset(modalities) if modalities is not None else None
         model, report = load_model(model_dir, device, wanted, dtype=dtype, pack=pack, group_size=group_size)
         media = sorted(model.modalities - {"text"})
         pre = Preprocessor.from_dir(model_dir, model.config, limits=limits, modalities=media)  # type: ignore[arg-type]
-        engine = cls(model, report, pre, model_dir, options)
+        engine = cls(model, report, pre, model_dir, options, gpu_memory)
         log.info("engine ready in %.1f s on %s: %s", time.perf_counter() - t0, device, report.summary())
         return engine
 
@@ -198,12 +267,20 @@ class Engine:
                 )
             return self._pool
 
-    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
-        """A full-size batch per loaded modality, so an out-of-memory shows at boot, not under load."""
+    def batch_token_limits(self) -> dict[str, int]:
+        """Per modality, the most tokens one batch may carry: the memory plan's (GPU), else
+        `max_forward_tokens`'s, else none (an empty dict: the service's own limit applies)."""
+        if self.plan is not None:
+            return dict(self.plan.max_batch_tokens)
+        cap = self.options.max_forward_tokens
+        return {m: cap for m in (*self.modalities, "mixed")} if cap is not None else {}
+
+    def _warmup_items(self) -> dict[str, tuple[Item, PrepareOptions]]:
+        """The costliest valid item of each loaded modality (built only for those: a text-only server
+        warms up without PyAV or media)."""
         from eg2_runtime.tools import samples
 
         longest = max(IMAGE_TOKEN_BUDGETS)
-        # Built only for the loaded modalities: a text-only server warms up without PyAV or media.
         biggest: dict[str, Callable[[], tuple[Item, PrepareOptions]]] = {
             "text": lambda: (Item((TextPart("warm up " * self.max_text_tokens),)), PrepareOptions()),
             "image": lambda: (
@@ -213,25 +290,73 @@ class Engine:
             "audio": lambda: (Item((MediaPart("audio", samples.wav(30.0)),)), PrepareOptions()),
             "video": lambda: (Item((MediaPart("video", samples.mp4(32)),)), PrepareOptions()),
         }
-        batches = []
-        for modality, build in biggest.items():
-            if modality not in self.modalities:
-                continue
-            one = self.prepare(*build())
-            n = max(1, min(max_batch_items, max_batch_tokens // one.cost))
-            batches.append([one] * n)
-        return batches
+        return {m: build() for m, build in biggest.items() if m in self.modalities}
+
+    @torch.inference_mode()
+    def warm_up(self, max_batch_items: int, max_batch_tokens: int | None = None) -> dict[str, int]:
+        """Run a full batch of each modality's costliest item, eagerly (no graph is captured), so an
+        out-of-memory shows at boot, not under load; then hand the activations back to the driver.
+        A batch that does not fit is halved until it does, and its modality's limit lowered to
+        match; the costliest single item must fit. Returns the batch token limits that held.
+        Call on the GPU thread."""
+        limits = self.batch_token_limits()
+        graphs, self.graphs = self.graphs, None
+        eager = self.towers.eager() if self.towers is not None else contextlib.nullcontext()
+        try:
+            with eager:
+                for modality, (item, options) in self._warmup_items().items():
+                    one = self.prepare(item, options)
+                    cap = min(limits.get(modality, one.cost * max_batch_items), max_batch_tokens or 1 << 62)
+                    wanted = max(1, min(max_batch_items, cap // one.cost))
+                    if (n := self._fit(one, wanted)) < wanted:
+                        limits[modality] = n * one.cost
+        finally:
+            self.graphs = graphs
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return limits
+
+    def _fit(self, one: PreparedItem, n: int) -> int:
+        """Embed n copies of `one`, halving n until it fits; the n that ran."""
+        start = time.perf_counter()
+        while True:
+            try:
+                self.embed([one] * n)
+                break
+            except EngineOutOfMemory:
+                if n == 1:
+                    raise EngineOutOfMemory(
+                        f"warm-up ran out of memory on one {one.modality} item of {one.cost} tokens: "
+                        "raise the GPU memory budget (gpu_memory_mib)"
+                    ) from None
+                n //= 2
+                log.warning("warm-up: a full %s batch did not fit; %d items now", one.modality, n)
+        seconds = time.perf_counter() - start
+        log.info(
+            "warm-up batch done",
+            extra={"modality": one.modality, "items": n, "tokens": n * one.cost, "seconds": seconds},
+        )
+        return n
 
     # ---- accelerator side: one thread -----------------------------------------------------------
 
     @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """Capture every text-graph bucket now (at boot), rather than each on its first use, when
-        the capture (~0.1 s) would land on a request. Returns how many graphs there are."""
+        """Capture, at boot, the graphs short requests take: one text of up to 512 tokens, batches of
+        short texts, one image of the default budget, one clip of up to ~10 s. Other buckets are
+        captured on first use, within the memory plan (~0.1 s each). Returns how many graphs exist."""
         if self.graphs is None:
             return 0
-        n = self.graphs.capture_all()
-        log.info("captured %d text graphs in %.1f s", n, self.graphs.capture_seconds)
+        t0 = time.perf_counter()
+        short = [(1, t) for t in LENGTH_LADDER if t <= 512] + [(b, 64) for b in (8, 32, 64)]
+        self.graphs.capture_buckets(short)
+        towers = self.towers
+        if towers is not None:
+            towers.capture_startup(
+                IMAGE_TOKEN_BUDGETS[2] if "image" in self.modalities else None, "audio" in self.modalities
+            )
+        n = len(self.graphs.graphs) + (len(towers.graphs) if towers is not None else 0)
+        log.info("captured %d graphs in %.1f s", n, time.perf_counter() - t0)
         return n
 
     @torch.inference_mode()
@@ -245,8 +370,8 @@ class Engine:
         return torch.cat(parts).numpy()
 
     def _chunks(self, batch: Sequence[PreparedItem]) -> Iterator[Sequence[PreparedItem]]:
-        """Consecutive runs of the batch whose padded size stays within max_forward_tokens."""
-        limit = self.options.max_forward_tokens
+        """Consecutive runs of the batch whose padded size stays within its modality's limit."""
+        limit = self.batch_token_limits().get(batch[0].modality) if batch else None
         start, longest = 0, 0
         for i, p in enumerate(batch):
             longest = max(longest, p.num_tokens)
@@ -261,29 +386,27 @@ class Engine:
     def device_batch(self, items: Sequence[Prepared]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Prepared items -> (input_ids on the host, the other model inputs on the device).
 
-        The ids stay on the host: the embedding lookup moves what it needs. Pixel patches travel as
-        uint8 codes (a quarter of the bytes to collate and copy) and become [0, 1] floats here.
+        The ids stay on the host: the embedding lookup moves what it needs. Pixel patches stay uint8
+        codes (a quarter of the bytes to collate, copy and hold); the vision tower scales them.
         """
         inputs = collate(items, self.model.config.text.pad_token_id, pin=self.device.type == "cuda")
         ids = inputs.pop("input_ids")
-        on_device = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
-        return ids, {k: unit_pixels(v) if k in PIXEL_INPUTS else v for k, v in on_device.items()}
+        return ids, {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
 
     def forward(self, input_ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch as `device_batch` gives it -> (B, D) fp32 unit vectors on the device.
 
-        The reference path is EG2Model.forward. With graphs, the text encoder plus pooling replay a
-        captured graph; the media towers replay theirs when `tower_graphs` is on (else run eagerly),
-        and the scatter of their soft tokens runs eagerly.
+        The reference path is EG2Model.forward. Here the text encoder plus pooling replay a captured
+        graph where a bucket holds the batch (else run eagerly, on the memory-lean path when
+        `lean_text`); the media towers replay theirs when `tower_graphs` is on (else run
+        eagerly), and the scatter of their soft tokens runs eagerly.
         """
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
-        if self.graphs is None:
-            return self.model(input_ids, **inputs)
         mask = inputs.pop("attention_mask")
         embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
-        vectors = self.graphs(embeds, mask.bool())
-        if vectors is None:  # no bucket holds it: a large batch, already GPU-bound
-            vectors = self.model.encode(embeds, mask)
+        vectors = self.graphs(embeds, mask.bool()) if self.graphs is not None else None
+        if vectors is None:  # no graph, or no bucket holds it: a large batch, already GPU-bound
+            vectors = self.model.encode(embeds, mask, lean=self.options.lean_text)
         return vectors
 
     # ---- reports --------------------------------------------------------------------------------
@@ -307,16 +430,24 @@ class Engine:
                 "bf16_equivalent_bytes": r.bf16_bytes,
                 "summary": r.summary(),
             },
-            "version": _version(),
+            "memory_plan": self.plan.describe() if self.plan is not None else None,
+            "version": eg2_runtime.__version__,
         }
 
-    def memory(self) -> dict[str, int]:
-        on_gpu = self.device.type == "cuda"
-        return {
+    def memory(self) -> EngineMemory:
+        """Bytes: weights as loaded and as BF16; on a GPU, the process's own GPU memory (NVML: what a
+        co-located model cannot have), the allocator's counters and the budget."""
+        out: EngineMemory = {
             "weight_bytes_resident": self.report.resident_bytes,
             "weight_bytes_bf16_equivalent": self.report.bf16_bytes,
-            "gpu_allocated_bytes": torch.cuda.memory_allocated(self.device) if on_gpu else 0,
         }
+        if self.device.type == "cuda":
+            reading = self.gpu_memory.read()
+            out["process_gpu_bytes"] = reading.bytes if reading is not None else 0
+            out["gpu_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            out["gpu_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+            out["gpu_budget_bytes"] = self.plan.budget if self.plan is not None else 0
+        return out
 
     def weights_digest(self) -> str:
         """sha256 of the weight files, computed once (a 0.8 GB file takes a few seconds)."""
@@ -425,10 +556,3 @@ def _concat_padded(chunks: Sequence[torch.Tensor], length: int, fill: float, pin
         out[row : row + n, s:] = fill
         row += n
     return out
-
-
-def _version() -> str:
-    try:
-        return version("eg2-serve")
-    except PackageNotFoundError:
-        return "0.0.0+source"

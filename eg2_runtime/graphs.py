@@ -7,14 +7,17 @@ launches with one call.
 
 How: a batch of B items of T tokens is padded up to a bucket (Bb, Tb) from two ladders and copied
 into static input buffers; each bucket's graph is captured on first use (or ahead of time with
-`capture_all`) and replayed after that. Pad rows and columns are zero embeddings marked invalid: the
+`capture_buckets`) and replayed after that. A batch with more rows than the largest bucket of its length
+holds runs as several replays of that bucket, rows in order: the pool (memory_plan.py) bounds the
+buckets, not the batches. Pad rows and columns are zero embeddings marked invalid: the
 attention masks hide them as keys and pooling skips them, so valid rows see exactly what they would
 unpadded. Padding changes only which attention kernel runs (masked instead of mask-free), which
 moves BF16 results by rounding only (H200: cosine >= 0.9999998 against the same kernels run
 eagerly); tests/test_engine_fast_paths.py and the GPU suite hold both paths together.
 
-Assumes one caller thread (the engine's) and a CUDA device. Every graph shares one memory pool and
-one set of input buffers; replays never overlap, and each result is copied out before the next.
+Assumes one caller thread (the engine's) and a CUDA device. Every graph shares one memory pool (with
+the tower graphs, tower_graphs.py) and one set of input buffers; replays never overlap, and each
+result is copied out before the next.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +48,6 @@ LENGTH_LADDER = (
 )
 
 
-# Bb * Tb^2 at most: attention materializes (Bb, heads, Tb, Tb) scores where the masked kernel has no
-# fused path, and a graph's pool keeps its peak for good. 2^24 allows 1 x 4096, 4 x 2048, 16 x 1024;
-# all 125 buckets grew the reserved memory by 1.3 GB on the H200. Longer inputs run eagerly, where
-# the GPU work dwarfs the launches.
-MAX_SCORES = 1 << 24
-
-
 def rung(ladder: Sequence[int], n: int) -> int | None:
     """The smallest rung of `ladder` that holds n, or None past its top."""
     return next((r for r in ladder if r >= n), None)
@@ -71,7 +67,7 @@ def capture_graph(
     begins, so nothing the warm-up left in flight reaches into the capture.
     """
     device = inputs[0].device
-    side = torch.cuda.Stream(device)
+    side = _warmup_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         step(*inputs)
@@ -80,6 +76,18 @@ def capture_graph(
     with torch.cuda.graph(graph, pool=pool), around():
         out = step(*inputs)
     return graph, out
+
+
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every capture's warm-up run. cuBLAS keeps a workspace (32 MiB
+    on the H200) per stream it has run on, for the life of the process: a new stream per capture
+    left 32 MiB behind each time (13 start-up captures: 416 MiB, benchmarks/probe_costs.py)."""
+    if device not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+    return _WARMUP_STREAMS[device]
 
 
 @dataclass
@@ -91,12 +99,13 @@ class _Captured:
 class GraphedTextEncoder:
     """`(embeds (B, T, H), valid (B, T) bool) -> (B, D)` unit vectors, as `pool(encoder(...))`.
 
-    `max_tokens` bounds Bb * Tb: larger buckets are not worth a graph (the GPU is busy for longer
-    than the launches take) and their activations would sit in the graph pool for good.
-    `capture=False` runs the same padded step eagerly: the CPU test of the padding logic.
+    `max_tokens` bounds Bb * Tb: the graph pool keeps its largest bucket's activations for good, so
+    the memory plan sets it. `pool`: the CUDA graph pool to draw on (shared with the tower graphs);
+    None makes one. `capture=False` runs the same padded step eagerly: the CPU test of the padding
+    logic.
     """
 
-    def __init__(self, encoder: TextEncoder, max_tokens: int, capture: bool = True) -> None:
+    def __init__(self, encoder: TextEncoder, max_tokens: int, pool: Any = None, capture: bool = True) -> None:
         self.encoder = encoder
         self.max_tokens = max_tokens
         device = encoder.embedding_projection.weight.device
@@ -105,16 +114,20 @@ class GraphedTextEncoder:
         # live at a time), allocated on first use like any activation.
         self.embeds: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.pool = pool if pool is not None or not self.capture else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.capture_seconds = 0.0
 
     def bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         """The smallest (Bb, Tb) that holds a (batch, length) input, or None if there is none."""
         bb, tb = rung(BATCH_LADDER, batch), rung(LENGTH_LADDER, length)
-        if bb is None or tb is None or bb * tb > self.max_tokens or bb * tb * tb > MAX_SCORES:
+        if bb is None or tb is None or bb * tb > self.max_tokens:
             return None
         return bb, tb
+
+    def rows(self, length: int) -> int:
+        """The most rows one bucket of this length holds; 0 when none does (the batch runs eagerly)."""
+        return max((b for b in BATCH_LADDER if self.bucket(b, length) is not None), default=0)
 
     def buckets(self) -> Iterator[tuple[int, int]]:
         """Every bucket within the bounds, largest first (the pool is then sized once)."""
@@ -122,11 +135,19 @@ class GraphedTextEncoder:
         yield from sorted(fits, key=lambda k: (-k[0] * k[1], -k[1]))
 
     def __call__(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
-        """(B, D) fp32 unit vectors, or None when no bucket holds the batch (run it eagerly)."""
+        """(B, D) fp32 unit vectors, or None when no bucket holds rows of this length (run it eagerly).
+        More rows than the largest bucket holds run as several replays of it."""
+        b, t, _ = embeds.shape
+        rows = self.rows(t)
+        if rows == 0:
+            return None
+        parts = [self._replay(embeds[i : i + rows], valid[i : i + rows]) for i in range(0, b, rows)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _replay(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         b, t, _ = embeds.shape
         key = self.bucket(b, t)
-        if key is None:
-            return None
+        assert key is not None
         x, v = self._inputs(key)
         x.zero_()
         v.zero_()
@@ -139,10 +160,11 @@ class GraphedTextEncoder:
         assert captured.out is not None
         return captured.out[:b].clone()  # the static output is overwritten by the next replay
 
-    def capture_all(self) -> int:
-        """Capture every bucket now (service boot) rather than on first use. Returns the count."""
-        for key in self.buckets():
-            if key not in self.graphs:
+    def capture_buckets(self, keys: Iterable[tuple[int, int]]) -> int:
+        """Capture these buckets now (service boot) rather than on first use, those within the
+        bounds. Returns how many graphs there are."""
+        for key in keys:
+            if self.bucket(*key) == key and key not in self.graphs:
                 self._capture(key)
         return len(self.graphs)
 
@@ -156,14 +178,21 @@ class GraphedTextEncoder:
         return self.embeds[: bb * tb * hidden].view(bb, tb, hidden), self.valid[: bb * tb].view(bb, tb)
 
     def _step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return pool(self.encoder(x, v, static=True).float(), v)
+        return pool(self.encoder(x, v, static=True, lean=True).float(), v)
 
     def _capture(self, key: tuple[int, int]) -> _Captured:
         if not self.capture:
             self.graphs[key] = _Captured(None, None)
             return self.graphs[key]
         t0 = time.perf_counter()
-        graph, out = capture_graph(self._step, self._inputs(key), self.pool)
+        try:
+            graph, out = capture_graph(self._step, self._inputs(key), self.pool)
+        except torch.OutOfMemoryError:
+            # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
+            # It runs its padded step eagerly instead, which frees its activations after each call.
+            log.warning("text graph %s does not fit the memory budget; it runs eagerly", key)
+            self.graphs[key] = _Captured(None, None)
+            return self.graphs[key]
         self.graphs[key] = _Captured(graph, out)
         self.capture_seconds += time.perf_counter() - t0
         log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))

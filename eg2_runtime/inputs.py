@@ -8,8 +8,11 @@ sent them). The service builds Items from requests; `Engine.prepare` turns one i
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from eg2_runtime.errors import InputError
 
 MediaKind = Literal["image", "audio", "video"]
 Modality = Literal["text", "image", "audio", "video", "mixed"]
@@ -50,6 +53,32 @@ class PrepareOptions:
     prompt: str | None = None  # a literal prefix, already resolved from a prompt name
     truncate: bool = True  # cut over-long text / audio instead of refusing it
     image_tokens: int = 280  # soft-token budget per image: 70, 140, 280, 560 or 1120
+
+
+def resolve_prompt(
+    prompts: Mapping[str, str],
+    default_name: str | None,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
+) -> str | None:
+    """The literal prefix for a request, picked as sentence-transformers' `encode` picks it (6.2,
+    `_resolve_prompt`): a literal prompt as given (`""`: no prompt at all); else the named prompt,
+    which must exist; else the checkpoint's `default_prompt_name`, if it sets one. Both at once is
+    refused (sentence-transformers warns and takes the literal one).
+
+    The one rule for the service, the engine's preprocessor and the tools alike.
+    """
+    if prompt is not None and prompt_name is not None:
+        raise InputError("give prompt or prompt_name, not both", param="prompt")
+    if prompt is not None:
+        return prompt
+    if prompt_name is not None:
+        if prompt_name not in prompts:
+            # The name is not echoed: it is the client's, and may be megabytes long.
+            known = ", ".join(sorted(prompts)) or "none"
+            raise InputError(f"unknown prompt_name; this model has: {known}", param="prompt_name")
+        return prompts[prompt_name]
+    return prompts[default_name] if default_name is not None else None
 
 
 IMAGE_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)

@@ -182,8 +182,8 @@ def load_model(
             pack_linears(model, group_size)
     model.eval().requires_grad_(False)
     report = build_report(model)
-    if unpack_hooks and report.packed_total:
-        model.unpacker = Unpacker(model, cdtype)  # type: ignore[assignment]
+    if unpack_hooks:
+        model.unpacker = Unpacker.attach(model, cdtype)
     log.info("loaded %s: %s", model_dir.name, report.summary())
     return model, report
 

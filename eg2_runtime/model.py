@@ -18,6 +18,7 @@ from torch import nn
 from eg2_runtime.audio import AudioTower
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.layers import RMSNorm
+from eg2_runtime.quant import Unpacker
 from eg2_runtime.text import TextEncoder
 from eg2_runtime.vision import VisionTower
 
@@ -71,6 +72,8 @@ class EG2Model(nn.Module):
                 raise ValueError("audio was asked for, but the checkpoint has no audio_config")
             self.audio_tower = AudioTower(config.audio)
             self.embed_audio = MultimodalEmbedder(config.audio.output_proj_dims, h, config.audio.rms_norm_eps)
+        # Unpacks the packed towers' weights layer by layer (quant.Unpacker); set by the loader.
+        self.unpacker: Unpacker | None = None
         self.modalities = frozenset(
             {"text"}
             | ({"image", "video"} & wanted if self.vision_tower is not None else set())
@@ -137,9 +140,11 @@ class EG2Model(nn.Module):
             embeds = embeds.masked_scatter(slots.to(embeds.device)[..., None], soft)
         return embeds
 
-    def encode(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, T, H) input embeddings -> (B, D) fp32 unit vectors: the text encoder, then `pool`."""
-        return pool(self.language_model(embeds, attention_mask.bool()).float(), attention_mask)
+    def encode(self, embeds: torch.Tensor, attention_mask: torch.Tensor, lean: bool = False) -> torch.Tensor:
+        """(B, T, H) input embeddings -> (B, D) fp32 unit vectors: the text encoder, then `pool`.
+        `lean`: the text encoder's memory-lean path (TextEncoder.forward)."""
+        tokens = self.language_model(embeds, attention_mask.bool(), lean=lean)
+        return pool(tokens.float(), attention_mask)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: torch.Tensor | None

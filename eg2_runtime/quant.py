@@ -151,34 +151,51 @@ def pack_linears(model: nn.Module, group_size: int) -> int:
 class Unpacker:
     """Provides each PackedLinear's dense weight just before it runs, from a reused scratch buffer.
 
-    On CUDA there are two scratch buffers, each as large as the largest packed layer. Layer i reads
-    one; layer i + 1 is unpacked into the other on a side stream while layer i computes:
-        main:  wait(ready[i]) -> record started[i] -> matmul(i)
-        side:  wait(started[i]) -> unpack(i + 1) into the other slot -> record ready[i + 1]
-    started[i] also means layer i - 1, the last reader of that other slot, has finished (one main
+    Built with the packed layers it serves; forward hooks on them do the work. On CUDA there are two
+    scratch buffers, each as large as the largest packed layer. Layer i reads one; layer i + 1 is
+    unpacked into the other on a side stream while layer i computes:
+        main:  wait(ready[slot i]) -> record started -> matmul(i)
+        side:  wait(started) -> unpack(i + 1) into the other slot -> record ready[other slot]
+    `started` also means layer i - 1, the last reader of that other slot, has finished (one main
     stream, in order), so a slot is never overwritten while read. Which layer follows which is
     learned from the calls themselves (next_of), so it holds for any tower's execution order; a
     wrong guess costs only the overlap, never correctness.
+
+    The three CUDA events are made once and re-recorded: a wait binds to the record before it. The
+    main stream is looked up by the first packed layer after construction, a `join` or the start of
+    a capture (the capture stream), and kept until the next: the engine runs every eager forward
+    on one stream, and joins before each graph replay.
     On CPU the unpack is synchronous and there is no scratch: the weight lives for one forward.
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, layers: list[PackedLinear], dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        self.layers = layers
         self.next_of: dict[PackedLinear, PackedLinear] = {}
         self.prev: PackedLinear | None = None
-        self.handles = [h for m in self.layers for h in self._hook(m)]
-        device = self.layers[0].weight_packed.device if self.layers else torch.device("cpu")
+        self.handles = [h for m in layers for h in self._hook(m)]
+        device = layers[0].weight_packed.device if layers else torch.device("cpu")
         self.cuda = device.type == "cuda"
+        self.scratch_bytes = 0
         if self.cuda:
-            numel = max(m.in_features * m.out_features for m in self.layers)
+            numel = max(m.in_features * m.out_features for m in layers)
             self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
+            self.scratch_bytes = 2 * numel * self.scratch[0].element_size()
             self.stream = torch.cuda.Stream(device)
-            self.pending: tuple[PackedLinear, torch.cuda.Event] | None = None  # the prefetched layer
+            self.main: torch.cuda.Stream | None = None  # the stream the towers run on
+            self.ready = [torch.cuda.Event(), torch.cuda.Event()]  # scratch[slot] holds its layer
+            self.started = torch.cuda.Event()  # the main stream reached the layer that started last
+            self.any_started = False  # `started` was recorded since the last join
+            self.pending: PackedLinear | None = None  # the layer prefetched into 1 - slot
             self.slot = 1  # the slot of the layer that started last
-            self.started: torch.cuda.Event | None = None  # main stream reached that layer
             # The fused Triton kernel writes BF16 in place; any other dtype takes the reference.
             self.fast = _triton_dequantize_into() if dtype == torch.bfloat16 else None
+
+    @classmethod
+    def attach(cls, model: nn.Module, dtype: torch.dtype) -> Unpacker | None:
+        """An Unpacker for every PackedLinear of `model`, or None if it has none."""
+        layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        return cls(layers, dtype) if layers else None
 
     def _hook(self, m: PackedLinear) -> tuple[object, object]:
         return m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)
@@ -196,13 +213,13 @@ class Unpacker:
         """Run the forward to capture in a CUDA graph inside this: the side stream's work joins the graph.
 
         A capture may record only work forked from its own stream and joined back to it: so the
-        state of eager calls (a prefetch, the last `started` event) is dropped on entry, the first
+        state of eager calls (a prefetch, the last `started` record) is dropped on entry, the first
         unpack waits on the capture stream (see _unpack_async), and the prefetch the forward leaves
-        pending is joined on exit. The state is dropped again after: its events belong to the graph.
+        pending is joined on exit. The state is dropped again after: its records belong to the graph.
         The graph keeps the scratch slots' addresses; replays and eager calls share one main stream,
         and an eager call's first unpack waits for it, so neither overwrites a slot the other reads.
         """
-        self.pending, self.started = None, None
+        self.pending, self.any_started = None, False
         try:
             yield
         finally:
@@ -213,18 +230,19 @@ class Unpacker:
         forward leaves behind), and forget it: call before a captured graph replays, since its own
         unpacks write the same scratch slots."""
         if self.cuda and self.pending is not None:
-            torch.cuda.current_stream().wait_event(self.pending[1])
-        self.pending, self.started = None, None
+            torch.cuda.current_stream().wait_event(self.ready[1 - self.slot])
+        self.pending, self.any_started = None, False
 
-    def _unpack_async(self, layer: PackedLinear, slot: int) -> torch.cuda.Event:
-        """Enqueue the unpack of `layer` into scratch[slot] on the side stream, after `started` (or,
-        with no layer started since a capture, after everything the main stream has queued)."""
-        main = torch.cuda.current_stream()
+    def _unpack_async(self, layer: PackedLinear, slot: int) -> None:
+        """Enqueue the unpack of `layer` into scratch[slot] on the side stream, then record
+        ready[slot]; after `started` (or, with no layer started since a capture or join, after
+        everything the main stream has queued)."""
+        assert self.main is not None
         with torch.cuda.stream(self.stream):
-            if self.started is not None:
+            if self.any_started:
                 self.stream.wait_event(self.started)
             else:
-                self.stream.wait_stream(main)
+                self.stream.wait_stream(self.main)
             view = self._view(layer, slot)
             if self.fast is not None:
                 try:
@@ -234,9 +252,7 @@ class Unpacker:
                     self.fast = None
             if self.fast is None:
                 view.copy_(layer.dequantize())
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
-        return ready
+            self.ready[slot].record(self.stream)
 
     def _before(self, layer: nn.Module, args: object) -> None:
         assert isinstance(layer, PackedLinear)
@@ -246,19 +262,21 @@ class Unpacker:
         if not self.cuda:
             layer.unpacked = layer.dequantize().to(self.dtype)
             return
+        if not self.any_started:
+            self.main = torch.cuda.current_stream()
         slot = 1 - self.slot  # a prefetch always targets the slot the running layer does not read
-        if self.pending is not None and self.pending[0] is layer:
-            ready = self.pending[1]
-        else:  # first call, or a wrong guess: unpack now (after the guess, on the same stream)
-            ready = self._unpack_async(layer, slot)
-        main = torch.cuda.current_stream()
-        main.wait_event(ready)
-        self.started = torch.cuda.Event()
+        if self.pending is not layer:  # first call, or a wrong guess: unpack now (after the guess)
+            self._unpack_async(layer, slot)
+        main = self.main
+        assert main is not None
+        main.wait_event(self.ready[slot])
         self.started.record(main)
+        self.any_started = True
         self.slot = slot
         layer.unpacked = self._view(layer, slot)
-        nxt = self.next_of.get(layer)
-        self.pending = (nxt, self._unpack_async(nxt, 1 - slot)) if nxt is not None else None
+        self.pending = self.next_of.get(layer)
+        if self.pending is not None:
+            self._unpack_async(self.pending, 1 - slot)
 
     def _after(self, layer: nn.Module, args: object, output: object) -> None:
         assert isinstance(layer, PackedLinear)

@@ -1,14 +1,22 @@
 """The text encoder: a bidirectional Gemma encoder with per-layer embeddings (PLE), then a
 per-token projection to the embedding dimension.
 
-Shapes: B batch, T tokens, H hidden (512), L layers, P PLE width (512), D embedding dim (768).
-Layers alternate sliding attention (|q - k| <= window, a radius) and full attention, each kind with
-its own head_dim, kv-head count and RoPE theta, all read from the config.
+Shapes: B batch, T tokens, H hidden (512), L layers, P PLE width (512), D embedding dim (768); N
+tokens of a packed batch. Layers alternate sliding attention (|q - k| <= window, a radius) and full
+attention, each kind with its own head_dim, kv-head count and RoPE theta, all read from the config.
+
+Two ways in, sharing every layer: `forward` takes a padded (B, T, H) batch with dense masks (the
+reference path); `forward_packed` takes the items end to end, (N, H), and attention that keeps each
+item to itself (packing.py, packed_attention.py).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +24,11 @@ from torch import nn
 
 from eg2_runtime.config import FULL, SLIDING, TextConfig
 from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, rope_cos_sin
+from eg2_runtime.packed_attention import PackedAttention
+from eg2_runtime.packing import Packing
+
+# q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class TextAttention(nn.Module):
@@ -33,14 +46,20 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., H) -> q (..., nh, hd), k and v (..., kv, hd), normed: the per-token half of attention.
+
+        Norms before any transpose: the same per-row math, on contiguous rows.
+        """
+        lead = x.shape[:-1]
+        q = self.q_norm(self.q_proj(x).view(*lead, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(*lead, -1, self.head_dim))
+        v = self.v_norm(self.v_proj(x).view(*lead, -1, self.head_dim))
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask) -> torch.Tensor:
         b, t, _ = x.shape
-        # Norms before the transpose: the same per-row math, on contiguous rows.
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)  # (B, kv, T, hd)
-        v = self.v_norm(self.v_proj(x).view(b, t, -1, self.head_dim)).transpose(1, 2)
+        q, k, v = (y.transpose(1, 2) for y in self.project(x))  # (B, nh or kv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # SDPA's GQA path only where the reference takes it too (no mask, head_dim <= 256): elsewhere
         # the kv heads are repeated, so both runs pick the same kernels and round alike on the GPU.
@@ -49,8 +68,20 @@ class TextAttention(nn.Module):
             k = k.repeat_interleave(self.num_heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.num_heads // self.kv_heads, dim=1)
         # Scaling is 1.0: q_norm / k_norm already fix the logit scale.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
+        if isinstance(mask, Band):
+            out = banded_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_packed(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """(N, H) tokens of packed items, cos/sin (N, 1, hd) -> (N, H); `attend` keeps each item to
+        itself (packed_attention.py)."""
+        q, k, v = self.project(x)  # (N, nh or kv, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
 
 
 class PLEBlock(nn.Module):
@@ -86,9 +117,19 @@ class TextLayer(nn.Module):
         ple: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: Mask,
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return self.after_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, mask), ple)
+
+    def forward_packed(
+        self, x: torch.Tensor, ple: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        attn = self.self_attn.forward_packed(self.input_layernorm(x), cos, sin, attend)
+        return self.after_attention(x, attn, ple)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
+        """The per-token rest of the layer: residual, MLP block, PLE gate, layer scalar."""
+        x = x + self.post_attention_layernorm(attn)
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = self.ple_block(x, ple)
         return x * self.layer_scalar
@@ -107,6 +148,16 @@ class PerLayerEmbeddings(nn.Module):
     def forward(self, embeds: torch.Tensor) -> torch.Tensor:
         p = self.per_layer_model_projection(embeds) * self.scale
         return self.per_layer_projection_norm(p.reshape(*embeds.shape[:-1], self.num_layers, self.ple_dim))
+
+    def layer(self, embeds: torch.Tensor, i: int) -> torch.Tensor:
+        """(B, T, H) -> (B, T, P): layer i's slice of `forward`, from its rows of the projection.
+
+        The same products and the same per-slice norm; only one layer's (B, T, P) is alive instead of
+        all L of them (24 x 512 values per token, 48 KiB in BF16 with the projection's own output).
+        """
+        p = self.ple_dim
+        weight = self.per_layer_model_projection.weight[i * p : (i + 1) * p]  # (P, H)
+        return self.per_layer_projection_norm(F.linear(embeds, weight) * self.scale)
 
 
 class TextEncoder(nn.Module):
@@ -152,17 +203,23 @@ class TextEncoder(nn.Module):
         self.embed_tokens.weight = nn.Parameter(table.cpu().pin_memory(), requires_grad=False)
         return table.nbytes
 
-    def forward(self, embeds: torch.Tensor, valid: torch.Tensor, static: bool = False) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, valid: torch.Tensor, static: bool = False, lean: bool = False
+    ) -> torch.Tensor:
         """(B, T, H) merged embeddings, (B, T) bool valid -> (B, T, D) per-token embeddings.
 
         `static`: always build the attention masks, never branch on the data, so the call can be
         captured in a CUDA graph (graphs.py). The default skips masks where nothing is masked.
+        `lean`: the engine's memory-lean path, the same math: sliding layers of long inputs attend
+        block by block (banded_attention), and each layer's PLE slice is computed when the layer runs
+        (PerLayerEmbeddings.layer). The default is the reference: dense (B, 1, T, T) window masks and
+        all PLE slices up front, as transformers computes them.
         """
         cfg = self.cfg
-        ple = self.ple(embeds)  # (B, T, L, P)
+        ple = None if lean else self.ple(embeds)  # (B, T, L, P)
         t = embeds.shape[1]
         positions = torch.arange(t, device=embeds.device)
-        masks = attention_masks(valid, cfg.sliding_window, static)
+        masks = attention_masks(valid, cfg.sliding_window, static, banded=lean)
         rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         x = embeds
         for i, layer in enumerate(self.layers):
@@ -171,21 +228,116 @@ class TextEncoder(nn.Module):
             if key not in rope:
                 rope[key] = rope_cos_sin(positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
             cos, sin = rope[key]
-            x = layer(x, ple[:, :, i], cos, sin, masks[kind])
+            x = layer(x, self.ple.layer(embeds, i) if ple is None else ple[:, :, i], cos, sin, masks[kind])
+        return self.embedding_projection(self.norm(x))
+
+    def forward_packed(
+        self,
+        embeds: torch.Tensor,
+        packing: Packing,
+        backends: Mapping[str, str] | None = None,
+        block_size: int = 128,
+    ) -> torch.Tensor:
+        """(N, H) merged embeddings of items laid end to end -> (N, D) per-token embeddings; each
+        item's rows equal what `forward` gives it in a padded batch. `packing.pool` makes the vectors.
+
+        `backends`: the attention kernel per layer kind (packed_attention.py; the device's default
+        when None). Block masks are built here from the packing's tensors with no host sync, so a
+        CUDA graph can capture this call whole and replay it after `packing.copy_`.
+        """
+        cfg = self.cfg
+        attention = PackedAttention(packing, cfg, backends, block_size)
+        rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            kind = cfg.layer_types[i]
+            key = (kind, cfg.head_dims[i])
+            if key not in rope:
+                cos, sin = rope_cos_sin(packing.positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
+                rope[key] = cos[:, None], sin[:, None]  # (N, 1, hd): one angle per token, every head
+            attend = functools.partial(attention, kind)
+            ple = self.ple.layer(embeds, i)  # (N, P): each layer's slice when it runs, as the lean path
+            x = cast(TextLayer, layer).forward_packed(x, ple, *rope[key], attend)
         return self.embedding_projection(self.norm(x))
 
 
-def attention_masks(valid: torch.Tensor, window: int, static: bool = False) -> dict[str, torch.Tensor | None]:
-    """Boolean SDPA masks (True = attend) per layer kind, or None where nothing is masked.
+@dataclass(frozen=True)
+class Band:
+    """Sliding-window attention done block by block: queries in blocks of `size`, each block against
+    the keys within `window` of it (size + 2 * window of them), instead of all T keys.
+
+    mask: (B * blocks, 1, size, size + 2 * window) bool. Query a of block i sits at i * size + a, key
+    c of its span at i * size - window + c; a key is visible when it is valid, inside the sequence and
+    |q - k| <= window, and every query sees itself (a padding query must see some key, see
+    layers.key_padding_mask).
+    """
+
+    size: int
+    window: int
+    blocks: int
+    mask: torch.Tensor
+
+
+Mask = torch.Tensor | Band | None
+
+
+def band(valid: torch.Tensor, window: int, size: int | None = None) -> Band:
+    """The Band of a (B, T) validity mask: B x T x (size + 2 window) mask bytes, where a dense window
+    mask takes B x T^2 (8,192 tokens: 64 MiB per mask, plus SDPA's float copy of it)."""
+    size = size or window
+    b, t = valid.shape
+    blocks = -(-t // size)
+    span = size + 2 * window
+    # Keys padded by `window` before and after, so block i's span starts at padded index i * size.
+    keys = F.pad(valid, (window, blocks * size - t + window)).unfold(1, span, size)  # (B, blocks, span)
+    a = torch.arange(size, device=valid.device)[:, None]
+    c = torch.arange(span, device=valid.device)[None, :]
+    near = (a + window - c).abs() <= window  # (size, span): |q - k| <= window
+    mask = (keys[:, :, None, :] & near) | (c == a + window)  # (B, blocks, size, span)
+    return Band(size, window, blocks, mask.reshape(b * blocks, 1, size, span))
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Band) -> torch.Tensor:
+    """SDPA of (B, h, T, hd) q, k, v under a Band: (B, h, T, hd), as the dense masked call gives it.
+
+    Work and memory grow with T x (size + 2 window) instead of T^2: for 8,192 tokens and a radius of
+    512, a sixth of the scores. Keys are gathered per block (a copy of size + 2 window rows each).
+    """
+    b, h, t, d = q.shape
+    size, window, n = band.size, band.window, band.blocks
+    span = size + 2 * window
+    tail = n * size - t
+    q = F.pad(q, (0, 0, 0, tail)).view(b, h, n, size, d).transpose(1, 2).reshape(b * n, h, size, d)
+
+    def spans(x: torch.Tensor) -> torch.Tensor:  # (B, h, T, hd) -> (B * n, h, span, hd)
+        x = F.pad(x, (0, 0, window, tail + window)).unfold(2, span, size)  # (B, h, n, hd, span)
+        return x.permute(0, 2, 1, 4, 3).reshape(b * n, h, span, d)
+
+    out = F.scaled_dot_product_attention(q, spans(k), spans(v), attn_mask=band.mask, scale=1.0)
+    return out.view(b, n, h, size, d).transpose(1, 2).reshape(b, h, n * size, d)[:, :, :t]
+
+
+def attention_masks(
+    valid: torch.Tensor, window: int, static: bool = False, banded: bool = False
+) -> dict[str, Mask]:
+    """SDPA masks (True = attend) per layer kind, or None where nothing is masked.
 
     None lets SDPA take its fastest kernel, the one the reference's SDPA path takes on the same
     input; a batch without padding that fits the window needs no mask at all. Finding that out reads
-    `valid` on the host (a device sync), so `static` skips the check and always masks.
+    `valid` on the host (a device sync), so `static` skips the check and always masks. Full layers
+    get a key-padding mask (B, 1, 1, T). Sliding layers of inputs longer than three blocks of
+    `window` get a Band when `banded`; shorter ones (and the reference) a dense (B, 1, T, T) mask.
     """
     t = valid.shape[1]
+    if not static and bool(valid.all()) and t - 1 <= window:
+        return {FULL: None, SLIDING: None}
+    padded = key_padding_mask(valid)
+    full = None if not static and bool(valid.all()) else padded
+    if banded and t > 3 * window:
+        return {FULL: full, SLIDING: band(valid, window)}
     positions = torch.arange(t, device=valid.device)
     in_window = (positions[:, None] - positions[None, :]).abs() <= window  # (T, T)
-    if not static and bool(valid.all()):
-        return {FULL: None, SLIDING: None if t - 1 <= window else in_window[None, None]}
-    padded = key_padding_mask(valid)  # (B, 1, T, T)
-    return {FULL: padded, SLIDING: padded & in_window}
+    # Each query sees itself too: a padding query further than `window` from any valid key would
+    # see nothing (see layers.key_padding_mask).
+    itself = positions[:, None] == positions[None, :]
+    return {FULL: full, SLIDING: (padded & in_window) | itself}

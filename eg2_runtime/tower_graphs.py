@@ -2,27 +2,27 @@
 audio_soft_tokens.
 
 Why: at small batches the towers are bound by kernel launches, and a packed tower more so: each of
-its 247 packed Linears runs two Python hooks (events, a stream switch, the Triton launcher), ~0.2 ms
-each. One image at batch 1 spent 69.0 ms in the packed forward against 33.4 in BF16 (H200 bench,
-2026-11-30), for a few ms of GPU work. A captured graph replays the tower, the side-stream unpacks
+its 247 packed Linears runs two Python hooks (events, a stream switch, the Triton launcher). On the
+H200 (2026-12-01, benchmarks/probe_memory_media.py) one image took 82 ms eagerly and 12 ms graphed,
+one 9.3 s clip 122 ms and 8.4 ms. A captured graph replays the tower, the side-stream unpacks
 included, with one call.
 
 How: as graphs.py does for text. A batch is padded up to a bucket and copied into static buffers:
 - vision (and video frames): N images of S patch slots (S is fixed by the image-token budget) pad
   to Nb with fully padded images; the key-padding mask is always on (a graph cannot branch on
-  whether an image has padding), and it is (Nb, 1, S, S) bool, so Nb * S^2 is bounded.
+  whether an image has padding). Pixels stay uint8 codes into the graph.
 - audio: B clips of F mel frames pad to (Bb, Fb) with invalid frames; the tower masks padded frames
   before its convolutions, hides them as attention keys and its time convolution is causal, so
   valid steps see exactly what they would unpadded.
 The graphs return every slot / step and which are used; the used ones are selected outside (a
 data-dependent shape). The media embedders run inside the graphs.
 
-Status: written and tested on the CPU (the padded steps run eagerly there, `capture=False`); the
-capture itself (with the Unpacker's side stream, see Unpacker.capturing) has not run on a GPU yet,
-so EngineOptions.tower_graphs is off by default until it has.
+Memory: the buckets are bounded by the memory plan (memory_plan.py): Nb x S patch slots and Bb x Fb
+frames at most, drawing on the pool the text graphs use. A batch with more items than the largest
+bucket of its shape holds runs as several replays, items in order; a shape no bucket holds runs
+eagerly, in chunks of at most `tower_slots` patch slots (a video's frames are independent images).
 
-Assumes one caller thread (the engine's). Every tower graph shares one memory pool, apart from the
-text graphs' one.
+Assumes one caller thread (the engine's).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,9 +43,7 @@ from eg2_runtime.model import EG2Model
 log = logging.getLogger(__name__)
 
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
-# Bounds, to tune on the H200: the graph pool keeps its largest bucket's activations for good.
-MAX_MASK_BYTES = 1 << 26  # vision: Nb * S^2 bool mask bytes (S = 2,520 at 280 tokens: Nb <= 8)
-MAX_AUDIO_FRAMES = 8 * 3072  # audio: Bb * Fb
+FRAMES_PER_TOKEN = 4  # the audio tower halves the time axis twice
 
 
 @dataclass
@@ -58,53 +57,109 @@ class _Captured:
 class GraphedTowers:
     """`image_soft_tokens` / `audio_soft_tokens` of `model` through captured graphs (model.SoftTokens).
 
-    A batch that fits no bucket runs the model's own eager function. `capture=False` runs the padded
-    steps eagerly: the CPU test of the padding logic.
+    `vision_slots` and `audio_tokens` bound the buckets (Nb x S, and Bb x Fb / 4); `tower_slots`
+    bounds an eager vision call. `pool`: the CUDA graph pool shared with the text graphs (None makes
+    one). `capture=False` runs the padded steps eagerly: the CPU test of the padding logic.
     """
 
-    def __init__(self, model: EG2Model, capture: bool = True) -> None:
+    def __init__(
+        self,
+        model: EG2Model,
+        *,
+        vision_slots: int,
+        audio_tokens: int,
+        tower_slots: int,
+        pool: Any = None,
+        capture: bool = True,
+    ) -> None:
         self.model = model
+        self.vision_slots, self.audio_tokens, self.tower_slots = vision_slots, audio_tokens, tower_slots
         device = model.language_model.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
-        self.unpacker = getattr(model, "unpacker", None)  # on packed towers: their hooks join the graphs
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.unpacker = model.unpacker  # on packed towers: its side-stream unpacks join the graphs
+        self.pool = pool if pool is not None or not self.capture else torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[str, int, int], _Captured] = {}
         self.capture_seconds = 0.0
+        self.graphing = True  # False inside eager(): every call runs the towers eagerly, chunked
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Calls inside run eagerly (in chunks of at most `tower_slots` patch slots) and capture
+        nothing: the engine's warm-up, which proves the eager share fits."""
+        self.graphing = False
+        try:
+            yield
+        finally:
+            self.graphing = True
 
     # ---- the two entry points (EG2Model's signatures) -------------------------------------------
 
     def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, H), images in order."""
         n, s, _ = pixels.shape
-        nb = rung(ITEM_LADDER, n)
-        if nb is None or nb * s * s > MAX_MASK_BYTES:
-            return self.model.image_soft_tokens(pixels, positions)
+        rows = max((r for r in ITEM_LADDER if r * s <= self.vision_slots), default=0)
+        if (
+            rows == 0 or not self.graphing
+        ):  # no bucket holds one image of this size: eager, within the tower bound
+            step = max(1, self.tower_slots // s)
+            return _chunked(self.model.image_soft_tokens, n, step, pixels, positions)
 
-        def buffers() -> tuple[torch.Tensor, ...]:
-            return (
-                torch.zeros((nb, *pixels.shape[1:]), dtype=pixels.dtype, device=pixels.device),
-                torch.full((nb, *positions.shape[1:]), -1, dtype=positions.dtype, device=positions.device),
-            )
+        def one(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            nb = rung(ITEM_LADDER, p.shape[0])
+            assert nb is not None
 
-        key = ("image", nb, s)
-        return self._run(key, buffers, (0.0, -1.0), self._image_step, (pixels, positions), n)
+            def buffers() -> tuple[torch.Tensor, ...]:
+                return (
+                    torch.zeros((nb, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                    torch.full((nb, *q.shape[1:]), -1, dtype=q.dtype, device=q.device),
+                )
+
+            return self._run(("image", nb, s), buffers, (0.0, -1.0), self._image_step, (p, q), p.shape[0])
+
+        return _chunked(one, n, rows, pixels, positions)
 
     def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, F, bins) log-mel, (B, F) mask -> (n_soft, H): each clip's valid steps, clips in order."""
         b, f, _ = features.shape
-        bb, fb = rung(ITEM_LADDER, b), rung(FRAME_LADDER, f)
-        if bb is None or fb is None or bb * fb > MAX_AUDIO_FRAMES:
+        fb = rung(FRAME_LADDER, f)
+        fits = lambda r: fb is not None and r * fb <= FRAMES_PER_TOKEN * self.audio_tokens  # noqa: E731
+        rows = max((r for r in ITEM_LADDER if fits(r)), default=0)
+        if fb is None or rows == 0 or not self.graphing:
             return self.model.audio_soft_tokens(features, mask)
         dtype = self.model.dtype
 
-        def buffers() -> tuple[torch.Tensor, ...]:
-            return (
-                torch.zeros((bb, fb, features.shape[2]), dtype=dtype, device=features.device),
-                torch.zeros((bb, fb), dtype=torch.bool, device=features.device),
+        def one(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            bb = rung(ITEM_LADDER, x.shape[0])
+            assert bb is not None
+
+            def buffers() -> tuple[torch.Tensor, ...]:
+                return (
+                    torch.zeros((bb, fb, x.shape[2]), dtype=dtype, device=x.device),
+                    torch.zeros((bb, fb), dtype=torch.bool, device=x.device),
+                )
+
+            return self._run(
+                ("audio", bb, fb), buffers, (0.0, 0.0), self._audio_step, (x.to(dtype), m.bool()), x.shape[0]
             )
 
-        key = ("audio", bb, fb)
-        return self._run(key, buffers, (0.0, 0.0), self._audio_step, (features.to(dtype), mask.bool()), b)
+        return _chunked(one, b, rows, features, mask)
+
+    def capture_startup(self, image_tokens: int | None, audio: bool) -> None:
+        """Capture the one-item buckets short requests take: an image of `image_tokens` soft tokens,
+        a clip of up to ~10 s (fully padded inputs: a capture needs the shapes, not the values)."""
+        model = self.model
+        device = model.language_model.embedding_projection.weight.device
+        if image_tokens is not None and model.vision_tower is not None:
+            cfg = model.vision_tower.cfg
+            s = image_tokens * cfg.pooling_kernel_size**2
+            pixels = torch.zeros(1, s, 3 * cfg.patch_size**2, dtype=torch.uint8, device=device)
+            self.image_soft_tokens(pixels, torch.full((1, s, 2), -1, dtype=torch.long, device=device))
+        if audio and model.audio_tower is not None:
+            frames = FRAME_LADDER[3]
+            # The mel bins: the reference sizes the tower's projection from c0 as if they were equal.
+            bins = model.audio_tower.cfg.subsampling_conv_channels[0]
+            features = torch.zeros(1, frames, bins, dtype=model.dtype, device=device)
+            self.audio_soft_tokens(features, torch.zeros(1, frames, dtype=torch.bool, device=device))
 
     # ---- the padded steps: static shapes, no host sync ------------------------------------------
 
@@ -159,8 +214,28 @@ class GraphedTowers:
             return self.graphs[key]
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-        graph, outputs = capture_graph(step, inputs, self.pool, around)
+        try:
+            graph, outputs = capture_graph(step, inputs, self.pool, around)
+        except torch.OutOfMemoryError:
+            # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
+            # It runs its padded step eagerly instead, which frees its activations after each call.
+            log.warning("tower graph %s does not fit the memory budget; it runs eagerly", key)
+            self.graphs[key] = _Captured(None, inputs, fills, None)
+            return self.graphs[key]
         self.graphs[key] = _Captured(graph, inputs, fills, outputs)
         self.capture_seconds += time.perf_counter() - t0
         log.info("captured %s tower graph %s in %.0f ms", key[0], key[1:], 1e3 * (time.perf_counter() - t0))
         return self.graphs[key]
+
+
+def _chunked(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    n: int,
+    step: int,
+    a: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    """fn over consecutive chunks of at most `step` items of (a, b), results concatenated in order."""
+    if n <= step:
+        return fn(a, b)
+    return torch.cat([fn(a[i : i + step], b[i : i + step]) for i in range(0, n, step)])

@@ -17,6 +17,19 @@ from torch import nn
 from eg2_runtime.config import VisionConfig
 from eg2_runtime.layers import ClippableLinear, GatedMLP, RMSNorm, apply_rope, key_padding_mask
 
+RESCALE = 1 / 255  # the processor's rescale_factor, applied in float32 as `uint8 * 0.00392156862745098`
+
+
+def unit_pixels(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 pixel codes -> float32 pixels in [0, 1], as the reference processor rescales them:
+    float32(code) * float32(1/255), one correctly rounded product, so any device gives the same bits.
+
+    The patches travel as codes (a quarter of the bytes through collation, the copy to the GPU and
+    the tower graphs' static inputs) and are scaled by the patch embedder."""
+    # A Python scalar times a float32 tensor multiplies in float32 (the scalar rounded to float32
+    # first), on any device, with no host-to-device copy: a CUDA graph can capture it.
+    return codes.to(torch.float32) * RESCALE
+
 
 class PatchEmbedder(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
@@ -27,7 +40,10 @@ class PatchEmbedder(nn.Module):
         )
 
     def forward(self, pixels: torch.Tensor, positions: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-        """(N, S, C) pixels in [0, 1], (N, S, 2) positions, (N, S) padding -> (N, S, V)."""
+        """(N, S, C) pixels in [0, 1] (or their uint8 codes), (N, S, 2) positions, (N, S) padding
+        -> (N, S, V)."""
+        if pixels.dtype == torch.uint8:
+            pixels = unit_pixels(pixels)
         # No mean/std normalisation in the processor: the model maps [0, 1] to [-1, 1] itself.
         # The table's dtype is the compute dtype (a packed input_proj stores int32 codes).
         h = self.input_proj((2 * (pixels - 0.5)).to(self.position_embedding_table.dtype))

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, w
 from app.server import Server, build_server
 from app.service import State
 from app.settings import Settings
-from eg2_runtime.engine import PreparedItem
+from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import (
     Cancelled,
     EG2Error,
@@ -77,6 +77,7 @@ class FakeEngine:
         self.prompts = (
             prompts if prompts is not None else {"query": "task: search | query: ", "document": "text: "}
         )
+        self.default_prompt_name: str | None = None
         self.max_text_tokens = max_text_tokens
         self.prepare_delay_s = prepare_delay_s
         self.embed_delay_s = embed_delay_s
@@ -212,20 +213,22 @@ class FakeEngine:
     def capture_graphs(self) -> int:
         return 0
 
-    def warmup_batches(self, max_batch_tokens: int, max_batch_items: int) -> list[list[PreparedItem]]:
+    def warm_up(self, max_batch_items: int, max_batch_tokens: int) -> dict[str, int]:
+        """A full batch per modality through embed (an OOM there fails the boot); no limits of its own."""
         self.warmup_gate.wait(timeout=120)
         self.warmups += 1
         cost = max(1, max_batch_tokens // max_batch_items)
-        return [
-            [PreparedItem(m, cost, cost, inputs=(bytes(32), "warm-up")) for _ in range(max_batch_items)]
-            for m in sorted(self.modalities)
-        ]
+        for m in sorted(self.modalities):
+            self.embed(
+                [PreparedItem(m, cost, cost, inputs=(bytes(32), "warm-up")) for _ in range(max_batch_items)]
+            )
+        return {}
 
     def info(self) -> dict[str, Any]:
         return {"version": "fake", "weights": {"sha256": "0" * 64}, "quantization": {"packed_layers": {}}}
 
-    def memory(self) -> dict[str, int]:
-        return {"weight_bytes_resident": 1000, "weight_bytes_bf16_equivalent": 4000, "gpu_allocated_bytes": 0}
+    def memory(self) -> EngineMemory:
+        return {"weight_bytes_resident": 1000, "weight_bytes_bf16_equivalent": 4000}
 
     # --- test helpers --------------------------------------------------------------------------
 

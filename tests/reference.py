@@ -35,7 +35,7 @@ returns the processor tensors that path builds, so a runtime can be fed identica
 attention_mask in fp32, then L2): use it for inputs sentence-transformers cannot express, e.g.
 features a runtime prepared.
 
-Pitfalls (see /work/shared/MODEL.md):
+Pitfalls (docs/CORRECTNESS.md lists them too):
 - Without torchvision, transformers falls back to the PIL image processor (up to 2/255 per pixel off)
   and the video processor does not load at all; `Reference.image_backend` says which one is in use.
 - The audio tower has no SDPA path: the reference loads with eager attention.
@@ -189,8 +189,18 @@ class Reference:
         """Which image processor runs: "torchvision" (Gemma4ImageProcessor) or "pil" (its Pil twin)."""
         return "pil" if type(self.processor.image_processor).__name__.endswith("Pil") else "torchvision"
 
-    def encode(self, inputs: Sequence[Any], prompt: str | None = None, batch_size: int = 8) -> np.ndarray:
-        """(N, 768) float32 unit vectors, through sentence-transformers' encode."""
+    def encode(
+        self,
+        inputs: Sequence[Any],
+        prompt: str | None = None,
+        batch_size: int = 8,
+        processing_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> np.ndarray:
+        """(N, 768) float32 unit vectors, through sentence-transformers' encode.
+
+        `processing_kwargs`: per-modality processor overrides, e.g. `{"image": {"max_soft_tokens": 70}}`
+        for an image budget other than the checkpoint's."""
+        extra = {} if processing_kwargs is None else {"processing_kwargs": processing_kwargs}
         converted = [to_sentence_transformers(x) for x in inputs]
         out = np.zeros((len(converted), 768), dtype=np.float32)
         # sentence-transformers 6.2 mangles a chat message batched with other kinds of input (it
@@ -201,7 +211,7 @@ class Reference:
             if index:
                 batch = [converted[i] for i in index]
                 vectors = self.model.encode(
-                    batch, prompt=prompt, batch_size=batch_size, convert_to_numpy=True
+                    batch, prompt=prompt, batch_size=batch_size, convert_to_numpy=True, **extra
                 )
                 out[index] = np.asarray(vectors, dtype=np.float32)
         return out

@@ -1,4 +1,4 @@
-"""The HTTP contract of ../shared/API.md, end to end: a real uvicorn on loopback, the official `openai`
+"""The HTTP contract of docs/API.md, end to end: a real uvicorn on loopback, the official `openai`
 client unchanged, every documented error row.
 
 Vectors and token counts are checked against a second, in-process instance of the same engine
@@ -36,7 +36,7 @@ from fake_engine import (
 )
 
 from app.schemas import encode_embeddings
-from eg2_runtime.engine import matryoshka
+from eg2_runtime.api import matryoshka
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 
 MAX_TEXT_TOKENS = 500

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -237,13 +238,27 @@ def _post_all(url: str, texts: list[str]) -> tuple[list[threading.Thread], list[
     return threads, results
 
 
+def _wait_admitted(url: str, results: list[httpx.Response | None], timeout_s: float = 30) -> None:
+    """Until every request is admitted or answered. The answered are counted first: one finishing
+    between the two reads is then missed by both (the loop goes on), never counted twice."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answered = sum(r is not None for r in results)
+        found = re.search(r"^eg2_admitted_items (\S+)$", httpx.get(url + "/metrics").text, re.M)
+        admitted = int(float(found.group(1))) if found else 0
+        if answered + admitted >= len(results):
+            return
+        assert time.monotonic() < deadline, f"{answered} answered + {admitted} admitted of {len(results)}"
+        time.sleep(0.02)
+
+
 def test_sigterm_under_load_completes_in_flight_and_exits_0(spawn: Any) -> None:
     deadline_s = 10.0
     env = {"EG2_DRAIN_DEADLINE_S": str(deadline_s), "EG2_MAX_BATCH_ITEMS": "2", "EG2_MAX_QUEUE_DELAY_MS": "1"}
     p = spawn(env, "--embed-delay", "0.4")
     texts = [f"load {i}" for i in range(8)]  # 4 batches of 2, 0.4 s each: ~1.6 s of work
     threads, results = _post_all(p.url, texts)
-    time.sleep(0.3)  # requests admitted and queued
+    _wait_admitted(p.url, results)  # every request in flight before the signal, however slow the machine
     p.proc.send_signal(signal.SIGTERM)
     start = time.monotonic()
     while True:  # /ready turns 503 at once

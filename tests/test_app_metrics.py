@@ -19,7 +19,7 @@ FAMILIES = {
     "eg2_dropped_items": "counter",
     "eg2_batch_splits": "counter",
     "eg2_weight_bytes": "gauge",
-    "eg2_gpu_allocated_bytes": "gauge",
+    "eg2_gpu_memory_bytes": "gauge",
     "eg2_ready": "gauge",
 }
 

@@ -23,7 +23,8 @@ from fake_engine import LiveServer, assert_error, audio_part, image_part, live, 
 from media import png_header_only
 from test_app_contract import ERROR_CASES
 
-from eg2_runtime.engine import Engine, matryoshka
+from eg2_runtime.api import matryoshka
+from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.tools import samples
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from app import cli
-from app.settings import Settings, env_name, flag_name, markdown_table
+from app.settings import Settings, env_name, flag_name, markdown_table, settings_page
 from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.tools import samples
 
@@ -119,9 +119,13 @@ def test_media_limits_have_one_source(tiny_bf16: Path) -> None:
     assert engine.preprocessor.limits == limits
 
 
-def test_docs_settings_table_is_current() -> None:
-    """README.md carries the table generated from the field descriptions, verbatim."""
-    assert markdown_table() in (REPO / "README.md").read_text()
+def test_docs_settings_page_is_current() -> None:
+    """docs/SETTINGS.md is the page generated from the field descriptions, verbatim."""
+    page = (REPO / "docs" / "SETTINGS.md").read_text()
+    assert page == settings_page(), (
+        "docs/SETTINGS.md is stale: run `python -m app.settings > docs/SETTINGS.md`"
+    )
+    assert markdown_table() in page
 
 
 # --- the runtime tools behind the CLI --------------------------------------------------------------

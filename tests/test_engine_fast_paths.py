@@ -69,6 +69,23 @@ def test_buckets_stay_within_max_tokens(encoder: GraphedTextEncoder) -> None:
     assert encoder.bucket(32, 32) == (32, 32)
 
 
+def test_rows_past_the_largest_bucket_replay_in_chunks(encoder: GraphedTextEncoder) -> None:
+    """70 rows of 20 tokens (bucket (32, 32) at most under 1,024 tokens): replays of 32, 32 and 6
+    rows, in order, equal the reference; a length past every rung has no bucket at all."""
+    torch.manual_seed(1)
+    lengths = [1 + (7 * i) % 20 for i in range(70)]
+    embeds = torch.randn(70, 20, encoder.encoder.cfg.hidden_size)
+    valid = torch.arange(20)[None, :] < torch.tensor(lengths)[:, None]
+    assert encoder.rows(20) == 32 and encoder.rows(LENGTH_LADDER[-1] + 1) == 0
+    with torch.inference_mode():
+        expected = pool(encoder.encoder(embeds, valid).float(), valid)
+        got = encoder(embeds, valid)
+    assert got is not None and got.shape == expected.shape
+    err = (got - expected).abs().max().item()
+    assert err <= TOL, f"chunked replays: max abs diff {err:.2e} > {TOL}"
+    assert {(32, 32), (8, 32)} <= set(encoder.graphs), "32 + 32 + 6 rows"
+
+
 def _texts(n: int) -> list[Item]:
     return [Item((TextPart("word " * (3 + 7 * i % 50)),)) for i in range(n)]
 
@@ -113,8 +130,8 @@ def test_text_only_warmup_needs_no_media_libraries(tiny_fp32: Path, monkeypatch:
 
     monkeypatch.setitem(sys.modules, "av", None)  # `import av` now raises ImportError
     engine = Engine.from_dir(tiny_fp32, device="cpu", modalities={"text"})
-    batches = engine.warmup_batches(max_batch_tokens=4096, max_batch_items=8)
-    assert [b[0].modality for b in batches] == ["text"]
+    assert list(engine._warmup_items()) == ["text"]
+    assert engine.warm_up(max_batch_items=8, max_batch_tokens=4096) == {}  # no limits of its own on a CPU
 
 
 def test_numpy_blas_is_single_threaded_and_torch_is_not(tiny_fp32: Path) -> None:

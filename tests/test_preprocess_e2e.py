@@ -66,7 +66,7 @@ def as_reference(kind: str, data: bytes) -> Any:
 
 
 def smooth(height: int, width: int, seed: int) -> np.ndarray:
-    """Smooth pixels: random weights in a ViT amplify white noise (see MODEL.md)."""
+    """Smooth pixels: random weights in a ViT amplify white noise (docs/CORRECTNESS.md)."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width] / max(height, width)
     phase = rng.uniform(0, 2 * np.pi, 3)

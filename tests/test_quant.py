@@ -120,7 +120,7 @@ def test_unpack_hooks_equal_the_reference_path() -> None:
     )
     x = torch.randn(5, 64)
     reference = packed(x)
-    unpacker = Unpacker(packed, torch.float32)
+    unpacker = Unpacker.attach(packed, torch.float32)
     try:
         fast = packed(x)
         again = packed(x)

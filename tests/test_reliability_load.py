@@ -23,7 +23,8 @@ import pytest
 from load import LoadResult, Request, Serve, run
 from prometheus_client.parser import text_string_to_metric_families
 
-from eg2_runtime.engine import Engine, matryoshka
+from eg2_runtime.api import matryoshka
+from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.tools import samples
 

@@ -15,7 +15,7 @@ import torch
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.tools import samples
-from eg2_runtime.tower_graphs import GraphedTowers
+from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers
 
 TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding
 
@@ -30,10 +30,16 @@ def _inputs(engine: Engine, items: list[Item]) -> tuple[torch.Tensor, dict[str, 
     return engine.device_batch([p.inputs for p in prepared])  # type: ignore[union-attr]
 
 
-def _towers_and(engine: Engine, items: list[Item], *keys: str) -> tuple[GraphedTowers, list[torch.Tensor]]:
-    """Fresh tower graphs run eagerly, and the items' collated model inputs named `keys`."""
+UNBOUNDED = {"vision_slots": 1 << 30, "audio_tokens": 1 << 30, "tower_slots": 1 << 30}
+
+
+def _towers_and(
+    engine: Engine, items: list[Item], *keys: str, **bounds: int
+) -> tuple[GraphedTowers, list[torch.Tensor]]:
+    """Fresh tower graphs run eagerly (bounds as the memory plan would set them, unbounded unless
+    given), and the items' collated model inputs named `keys`."""
     _, inputs = _inputs(engine, items)
-    return GraphedTowers(engine.model, capture=False), [inputs[k] for k in keys]
+    return GraphedTowers(engine.model, capture=False, **(UNBOUNDED | bounds)), [inputs[k] for k in keys]
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -96,5 +102,41 @@ def test_input_embeddings_through_the_towers(engine: Engine) -> None:
     inputs.pop("attention_mask")
     with torch.inference_mode():
         expected = engine.model.input_embeddings(ids, **inputs)
-        got = engine.model.input_embeddings(ids, **inputs, towers=GraphedTowers(engine.model, capture=False))
+        towers = GraphedTowers(engine.model, capture=False, **UNBOUNDED)
+        got = engine.model.input_embeddings(ids, **inputs, towers=towers)
     _close(got, expected)
+
+
+def test_batches_past_the_largest_bucket_run_as_several(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory plan bounds the buckets, not the batches: 5 images whose bound fits 2 run as
+    buckets of 2, 2 and 1; clips likewise; and an image no bucket holds runs eagerly in chunks of at
+    most `tower_slots` patch slots. Every way gives the tower's own soft tokens, in order."""
+    images = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(5)]
+    towers, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
+    s = pixels.shape[1]
+    towers.vision_slots = 2 * s
+    bounds = UNBOUNDED | {"vision_slots": s - 1, "tower_slots": 2 * s}
+    eager = GraphedTowers(engine.model, capture=False, **bounds)
+    clips = [Item((MediaPart("audio", samples.wav(0.3 + 0.4 * i, hz=300 + 50 * i)),)) for i in range(3)]
+    audio, (features, mask) = _towers_and(engine, clips, "input_features", "input_features_mask")
+    frames = min(f for f in FRAME_LADDER if f >= features.shape[1])
+    audio.audio_tokens = frames // 4  # one clip per bucket
+    calls: list[int] = []  # images per eager tower call
+    tower = engine.model.image_soft_tokens
+
+    def counted(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        calls.append(p.shape[0])
+        return tower(p, q)
+
+    with torch.inference_mode():
+        expected = tower(pixels, positions)
+        _close(towers.image_soft_tokens(pixels, positions), expected)
+        monkeypatch.setattr(engine.model, "image_soft_tokens", counted)
+        _close(eager.image_soft_tokens(pixels, positions), expected)
+        _close(audio.audio_soft_tokens(features, mask), engine.model.audio_soft_tokens(features, mask))
+    assert calls == [2, 2, 1], "eager tower calls of at most tower_slots patch slots"
+    assert sorted(k[1] for k in towers.graphs) == [1, 2], "5 images run as 2 + 2 + 1"
+    assert not eager.graphs, "no bucket holds an image: the tower runs eagerly"
+    assert [k[1] for k in audio.graphs] == [1], "one clip per bucket"

@@ -24,18 +24,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from eg2_runtime.errors import InputTooLargeError, MediaDecodeError
 from eg2_runtime.preprocess.limits import reason
-
-RESCALE = 1 / 255  # the processor's rescale_factor, applied in float32 as `uint8 * 0.00392156862745098`
-
-
-def unit_pixels(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 pixel codes -> float32 pixels in [0, 1], as the reference processor rescales them:
-    float32(code) * float32(1/255), one correctly rounded product, so any device gives the same bits.
-
-    The patches travel as codes (a quarter of the bytes through collation and the copy to the GPU)
-    and are scaled where the model runs (Engine.forward)."""
-    return codes.to(torch.float32) * torch.tensor(RESCALE, dtype=torch.float32, device=codes.device)
-
+from eg2_runtime.vision import RESCALE as RESCALE  # re-exported: the model rescales the codes
+from eg2_runtime.vision import unit_pixels as unit_pixels
 
 Image.init()  # register every plugin now: open(formats=...) looks the names up before it would
 # Pillow plugin names, in sniffing order (MPO, the phones' multi-picture JPEG, where Pillow has it as

@@ -27,7 +27,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tokenizers.models import BPE
 
-from eg2_runtime.errors import CheckpointError, InputError
+from eg2_runtime.errors import CheckpointError
+from eg2_runtime.inputs import resolve_prompt
 
 MAX_TOKENS = 8192  # the model's context: longer inputs are cut (keeping EOS) or refused
 # How far past the bound `cut_point` looks for a provable cut point. Text with spaces or punctuation
@@ -160,19 +161,5 @@ class Prompts:
         return cls(prompts, default)
 
     def resolve(self, prompt_name: str | None = None, prompt: str | None = None) -> str | None:
-        """The literal prefix for a request, as sentence-transformers' encode picks it.
-
-        A literal prompt wins over names; a name must exist; neither gives the default prompt, if any.
-        """
-        if prompt is not None and prompt_name is not None:
-            raise InputError("give either prompt or prompt_name, not both", param="prompt_name")
-        if prompt is not None:
-            return prompt
-        if prompt_name is not None:
-            if prompt_name not in self.prompts:
-                names = ", ".join(sorted(self.prompts)) or "none"
-                raise InputError(
-                    f"unknown prompt_name {prompt_name!r}; this model has: {names}", param="prompt_name"
-                )
-            return self.prompts[prompt_name]
-        return self.prompts[self.default_name] if self.default_name is not None else None
+        """The literal prefix for a request: `eg2_runtime.inputs.resolve_prompt` on these prompts."""
+        return resolve_prompt(self.prompts, self.default_name, prompt_name, prompt)

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eg2_runtime.engine import Engine, PreparedItem
+from eg2_runtime.api import PreparedItem
+from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import PrepareOptions
 from eg2_runtime.tools.bench_workloads import Input, Workload
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from eg2_runtime.engine import Engine, matryoshka
+from eg2_runtime.api import matryoshka
+from eg2_runtime.engine import Engine
 from eg2_runtime.errors import EG2Error
-from eg2_runtime.inputs import Item, MediaKind, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.inputs import Item, MediaKind, MediaPart, PrepareOptions, TextPart, resolve_prompt
 
 KINDS: dict[str, MediaKind] = {
     **dict.fromkeys(("png", "jpg", "jpeg", "webp", "gif", "bmp", "tif", "tiff"), "image"),
@@ -32,11 +33,12 @@ def embed_cli(
     model_dir: Path, inputs: list[str], dimensions: int = 768, as_json: bool = False, device: str = "auto"
 ) -> int:
     engine = Engine.from_dir(model_dir, device=device)
+    options = PrepareOptions(prompt=resolve_prompt(engine.prompts, engine.default_prompt_name))
     status = 0
     for arg in inputs:
         item = to_item(arg)
         try:
-            prepared = engine.prepare(item, PrepareOptions())
+            prepared = engine.prepare(item, options)
             vector = matryoshka(engine.embed([prepared]), dimensions)[0]
         except EG2Error as e:
             print(f"{arg}: {e.message}", file=sys.stderr)

@@ -1,0 +1,91 @@
+"""The process's own GPU memory, as nvidia-smi shows it: what a co-located model cannot use.
+
+torch's allocator counters (allocated, reserved) miss the CUDA context, the libraries' kernels and
+handles, and memory other allocators hold; a co-located language model loses all of it. NVML's
+per-process figure holds everything. Where NVML cannot name this process (a PID namespace that hides
+host PIDs, say), the fallback is the device's used memory now minus what it was before this process
+touched the GPU: exact only with nothing else starting on the GPU meanwhile, which is how the
+benchmark runs it, and marked as such in `source`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reading:
+    bytes: int
+    source: str  # "nvml-process" or "nvml-device-delta"
+
+
+class ProcessGpuMemory:
+    """Reads this process's GPU memory on one device. Build it before CUDA is initialised, so the
+    fallback's baseline excludes this process's own context."""
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self._nvml = None
+        self._handle = None
+        self._baseline: int | None = None
+        try:
+            import pynvml  # nvidia-ml-py
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            self._baseline = int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+            self._nvml = pynvml
+        except Exception as e:  # no NVIDIA driver (CPU machines), or no nvidia-ml-py
+            log.debug("NVML unavailable: %s", e)
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def read(self) -> Reading | None:
+        """This process's GPU memory now, or None without NVML."""
+        nvml = self._nvml
+        if nvml is None:
+            return None
+        pid = os.getpid()
+        for query in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
+            try:
+                for p in query(self._handle):
+                    if p.pid == pid and p.usedGpuMemory is not None:
+                        return Reading(int(p.usedGpuMemory), "nvml-process")
+            except nvml.NVMLError:
+                continue
+        used = int(nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+        return Reading(max(0, used - (self._baseline or 0)), "nvml-device-delta")
+
+    def total_bytes(self) -> int | None:
+        if self._nvml is None:
+            return None
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
+
+
+CUDA_LIMIT_STACK_SIZE = 0x00  # cudaLimitStackSize
+
+
+def set_cuda_stack_limit(nbytes: int) -> bool:
+    """Set the per-thread stack size the CUDA context reserves local memory for (cudaDeviceSetLimit on
+    the current device, which torch has initialised); False where the CUDA runtime is not loaded.
+
+    The runtime's default, 1 KiB per thread, reserves local memory for every thread the GPU can hold
+    at once: on the H200 the process's memory fell from 738 to 540 MiB at 256 bytes, with cuBLAS and
+    SDPA running after it (benchmarks/probe_context.py, 2026-12-01). A kernel that needs a deeper
+    stack makes the driver grow the reservation when it launches, so the limit costs no kernel.
+    """
+    with open("/proc/self/maps") as maps:  # the CUDA runtime torch loaded, wherever it lives
+        paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    if not paths:
+        return False
+    err = ctypes.CDLL(paths[0]).cudaDeviceSetLimit(CUDA_LIMIT_STACK_SIZE, ctypes.c_size_t(nbytes))
+    if err:
+        log.warning("cudaDeviceSetLimit(stack, %d) failed with CUDA error %d", nbytes, err)
+    return err == 0
