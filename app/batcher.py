@@ -1,8 +1,11 @@
 """The dynamic batcher: requests in, GPU batches out, each row back to its request.
 
     embed(items) ── admission (items in flight <= limit, else 429 at once)
+       └─► cost check: engine.estimate_many (media headers on a thread, text counted on the loop);
+           413 over max_request_tokens, before anything is decoded or tokenized
        └─► preprocess pool: N threads run engine.prepare_many, overlapping with the GPU (a request's
-             text in one job, each of its media items in a job of its own); a request's short text
+             text in one job, each of its media items in a job of its own, started only while the
+             media tokens decoded ahead of the GPU stay under their budget); a request's short text
              is tokenized on the event loop instead, where the thread hop would cost more
              └─► per-modality queues of prepared items
                    └─► scheduler (event loop): pick the modality with the oldest item; while items
@@ -12,7 +15,9 @@
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 A request whose future is done (answered, failed, cancelled on disconnect or timeout) is dead: its
-items are skipped before preprocessing and dropped before the GPU. A failing batch is split in halves
+items are skipped before preprocessing, their decoding stops within a frame (a cancel flag the
+engine's decoders check), and what was prepared is dropped before the GPU; eg2_dropped_items_total
+counts them by stage. A failing batch is split in halves
 and retried, so an out-of-memory batch still completes in smaller pieces and one poisoned item fails
 only its own request. Assumes the engine contract of eg2_runtime.engine: prepare_many is thread-safe,
 embed runs on one thread and returns unit rows in batch order.
@@ -39,7 +44,7 @@ import numpy as np
 from app.errors import Overloaded, Unavailable
 from app.metrics import Metrics
 from eg2_runtime.api import EngineAPI, PreparedItem
-from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory
+from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
 log = logging.getLogger("eg2.batcher")
@@ -156,6 +161,51 @@ class Embedded:
     inference_s: float  # summed time of the GPU batches that carried its items
 
 
+class _MediaBudget:
+    """Media soft tokens being decoded or decoded and not yet embedded, across all requests, held under
+    a limit: a media job starts only once its tokens fit, in arrival order.
+
+    Why: a decoded image holds ~7 kB of patches per soft token until its batch runs (a 1120-token image:
+    7.7 MB), and decoding runs ahead of the GPU; without a bound, memory grows with every image waiting
+    in any request. A job larger than the whole budget runs when nothing else holds any.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def acquire(self, tokens: int) -> None:
+        if not self._waiters and self._fits(tokens):
+            self.used += tokens
+            return
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((tokens, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self.release(tokens)  # granted, but its request ended meanwhile
+            else:
+                self._waiters = deque(w for w in self._waiters if w[1] is not granted)
+                self._grant()
+            raise
+
+    def release(self, tokens: int) -> None:
+        self.used -= tokens
+        self._grant()
+
+    def _fits(self, tokens: int) -> bool:
+        return self.used == 0 or self.used + tokens <= self.limit
+
+    def _grant(self) -> None:
+        while self._waiters and self._fits(self._waiters[0][0]):
+            tokens, granted = self._waiters.popleft()
+            if not granted.done():
+                self.used += tokens
+                granted.set_result(None)
+
+
 class _Request:
     """One call to embed(): its items' rows land here; done (any way) means dead."""
 
@@ -168,6 +218,12 @@ class _Request:
         self.inference_s = 0.0
         self.last_batch = -1
         self.prep_futures: list[asyncio.Future[Any]] = []
+        # Set when the request ends: its decoding stops (engine.prepare_many checks it per frame / block).
+        self.cancel = threading.Event()
+        self.queued = 0  # items that reached the GPU queues
+        self.failed = 0  # items whose preparation failed (they fail the request; not "dropped")
+        self.refused = False  # refused by the cost check before any work: nothing to drop
+        self.held: dict[int, int] = {}  # media item index -> its tokens held in the media budget
 
     @property
     def dead(self) -> bool:
@@ -249,6 +305,8 @@ class Batcher:
         preprocess_workers: int,
         stall_timeout_s: float,
         inline_prepare_chars: int,
+        max_request_tokens: int,
+        max_prepared_media_tokens: int,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -258,6 +316,8 @@ class Batcher:
         self._limit = max_queued_items
         self._stall_timeout_s = stall_timeout_s
         self._inline_chars = inline_prepare_chars  # a request's text up to this size skips the pool
+        self._max_request_tokens = max_request_tokens
+        self.media_budget = _MediaBudget(max_prepared_media_tokens)
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare")
         self._gpu = Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
@@ -368,25 +428,38 @@ class Batcher:
         self._metrics.admitted_items.set(self.admitted)
         request = _Request(n, asyncio.get_running_loop())
         self._live.add(request)
+        feeder: asyncio.Task[None] | None = None
         try:
-            for group in _prepare_groups(items):
-                modality = items[group[0]].modality  # a group is one modality (text, or one media item)
-                job = [items[i] for i in group]
-                if modality == "text" and self._inline(job, options):
-                    prep = _run_here(self._prepare, job, options)  # a hop costs more than tokenizing
-                else:
-                    prep = self._prep.submit(self._prepare, job, options)
-                # Counted before the callback is attached; it runs from the loop, so never before this.
-                self._preparing[modality] += len(group)
-                prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
-                request.prep_futures.append(prep)
+            try:
+                costs = await self._check_cost(request, items, options)
+            except EG2Error:
+                request.refused = True
+                raise
+            groups = _prepare_groups(items)
+            media = [g for g in groups if items[g[0]].modality != "text"]
+            for group in groups:
+                if items[group[0]].modality == "text":
+                    self._submit(request, items, group, options)
+            if media:  # each as the media budget allows: decoding waits for the GPU to catch up
+                feeder = asyncio.create_task(self._feed(request, items, media, costs, options))
             await request.future
             rows = np.stack(request.rows)  # type: ignore[arg-type]  # every row was delivered
             return Embedded(rows, request.num_tokens, request.queue_s, request.inference_s)
         finally:
+            if feeder is not None:
+                feeder.cancel()
+            for tokens in request.held.values():  # what its items still hold (dropped or never run)
+                self.media_budget.release(tokens)
+            request.held.clear()
+            request.cancel.set()  # stops whatever of its decoding is still running
             future = request.future
             if not (future.done() and not future.cancelled() and future.exception() is None):
                 self._dead_queued = True  # it may have left items in the queues
+                if not request.refused:
+                    # Never reached the GPU queues: waiting for a preprocessing thread, being decoded
+                    # (stopped now), or prepared after the end. Queued ones are counted when swept.
+                    lost = n - request.queued - request.failed
+                    self._metrics.dropped_items.labels("preprocessing").inc(lost)
             future.cancel()  # no-op when answered; otherwise marks its leftovers dead
             for prep in request.prep_futures:
                 prep.cancel()
@@ -394,16 +467,75 @@ class Batcher:
             self.admitted -= n
             self._metrics.admitted_items.set(self.admitted)
 
+    def _submit(
+        self, request: _Request, items: Sequence[Item], group: list[int], options: PrepareOptions
+    ) -> None:
+        """One preprocessing job for these items of the request (its text, or one media item)."""
+        modality = items[group[0]].modality  # a group is one modality (text, or one media item)
+        job = [items[i] for i in group]
+        if modality == "text" and self._inline(job, options):
+            prep = _run_here(self._prepare, job, options, None)  # a hop costs more than tokenizing
+        else:
+            prep = self._prep.submit(self._prepare, job, options, request.cancel)
+        # Counted before the callback is attached; it runs from the loop, so never before this.
+        self._preparing[modality] += len(group)
+        prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
+        request.prep_futures.append(prep)
+
+    async def _feed(
+        self,
+        request: _Request,
+        items: Sequence[Item],
+        groups: list[list[int]],
+        costs: list[int],
+        options: PrepareOptions,
+    ) -> None:
+        """Submit the request's media jobs one by one, each once its estimated tokens fit the media
+        budget; they stay held until the item is embedded or its request ends."""
+        for group in groups:
+            tokens = sum(costs[i] for i in group)
+            await self.media_budget.acquire(tokens)
+            request.held[group[0]] = tokens
+            if request.dead:
+                return
+            self._submit(request, items, group, options)
+
+    async def _check_cost(
+        self, request: _Request, items: Sequence[Item], options: PrepareOptions
+    ) -> list[int]:
+        """Refuse the request before any decoding or tokenizing when its estimated cost (headers, durations,
+        characters: engine.estimate_many) is over the per-request limit, or an item's headers already
+        prove it will fail. Media headers are read on a preprocessing thread, text is counted here."""
+        if all(item.modality == "text" for item in items):
+            estimate = _run_here(self._engine.estimate_many, items, options)
+        else:
+            estimate = self._prep.submit(self._engine.estimate_many, items, options)
+            request.prep_futures.append(estimate)  # skipped if the client leaves before it runs
+        results = await estimate
+        if (error := next((r for r in results if isinstance(r, EG2Error)), None)) is not None:
+            raise error
+        total = sum(r for r in results if isinstance(r, int))
+        if total > self._max_request_tokens:
+            raise InputTooLargeError(
+                f"this request would cost about {total} tokens (text counted at one token per character, "
+                f"media from their headers), more than this server's limit of {self._max_request_tokens} "
+                "per request (max_request_tokens); send fewer or shorter items per request",
+                param="input",
+            )
+        return [r if isinstance(r, int) else 0 for r in results]
+
     def _inline(self, job: list[Item], options: PrepareOptions) -> bool:
         """Whether a request's text job is small enough to tokenize on the event loop."""
         limit = self._inline_chars
         return limit > 0 and len(job) <= INLINE_MAX_ITEMS and _text_chars(job, options) <= limit
 
-    def _prepare(self, items: list[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
+    def _prepare(
+        self, items: list[Item], options: PrepareOptions, cancel: threading.Event | None
+    ) -> list[PreparedItem | EG2Error]:
         """On a preprocess thread, or on the event loop for short text. The histogram gets each
-        item's share of the call."""
+        item's share of the call. Raises eg2_runtime.errors.Cancelled once `cancel` is set."""
         start = time.monotonic()
-        prepared = self._engine.prepare_many(items, options)
+        prepared = self._engine.prepare_many(items, options, cancel)
         share = (time.monotonic() - start) / len(items)
         for p in prepared:
             if isinstance(p, PreparedItem):
@@ -418,15 +550,17 @@ class Batcher:
         if prep.cancelled():
             return
         if (exc := prep.exception()) is not None:
+            request.failed += len(indices)
             request.fail(exc)  # one bad item fails its own request only
             return
         results = prep.result()
-        if (error := next((r for r in results if isinstance(r, EG2Error)), None)) is not None:
-            request.fail(error)
+        if errors := [r for r in results if isinstance(r, EG2Error)]:
+            request.failed += len(errors)
+            request.fail(errors[0])
             return
         if request.dead:
-            self._metrics.dropped_items.inc(len(results))
-            return
+            return  # counted as dropped where the request ended
+        request.queued += len(results)
         for index, item in zip(indices, results, strict=True):
             work = _Work(request, index, item)
             self._queues.setdefault(item.modality, _Queue()).append(work)
@@ -454,7 +588,7 @@ class Batcher:
         self._dead_queued = False
         for modality, q in self._queues.items():
             if dropped := q.drop_dead():
-                self._metrics.dropped_items.inc(dropped)
+                self._metrics.dropped_items.labels("gpu_queue").inc(dropped)
                 self._metrics.queue_depth.labels(modality).set(len(q))
 
     async def _next_batch(self) -> list[_Work]:
@@ -493,7 +627,7 @@ class Batcher:
     async def _run(self, batch: list[_Work]) -> None:
         live = [w for w in batch if not w.request.dead]
         if len(live) < len(batch):
-            self._metrics.dropped_items.inc(len(batch) - len(live))
+            self._metrics.dropped_items.labels("gpu_queue").inc(len(batch) - len(live))
         if not live:
             return
         modality = live[0].item.modality
@@ -534,4 +668,6 @@ class Batcher:
         rate = len(live) / max(elapsed, 1e-6)
         self._items_per_s = rate if self._items_per_s == 0 else 0.8 * self._items_per_s + 0.2 * rate
         for work, row in zip(live, vectors, strict=True):
+            if tokens := work.request.held.pop(work.index, 0):
+                self.media_budget.release(tokens)
             work.request.deliver(work.index, row, work.item.num_tokens, batch_id, elapsed)

@@ -54,11 +54,16 @@ def _b64(data: str, param: str) -> bytes:
 
 
 def parse_data_uri(url: str, kind: MediaKind, param: str) -> tuple[bytes, str]:
-    """`data:image/png;base64,...` -> (bytes, format hint). Wrong MIME or bad base64 -> 400."""
+    """`data:image/png;base64,...` -> (bytes, format hint). Wrong MIME or bad base64 -> 400.
+
+    The scheme, the MIME type and the `base64` token are case-insensitive (RFC 2397, RFC 2045)."""
     header, comma, payload = url.partition(",")
     if not comma:
         raise MediaDecodeError("malformed data URI: no ',' before the payload", param=param)
-    mime, *params = header.removeprefix("data:").split(";")
+    scheme, _, header = header.partition(":")
+    if scheme.strip().lower() != "data":
+        raise MediaDecodeError("expected a data: URI", param=param)
+    mime, *params = header.split(";")
     if "base64" not in (p.strip().lower() for p in params):
         raise MediaDecodeError("data URIs must be base64-encoded (data:<mime>;base64,...)", param=param)
     major, _, subtype = mime.strip().lower().partition("/")
@@ -80,6 +85,7 @@ class MediaResolver:
         self._media_dir = settings.media_dir.resolve() if settings.media_dir else None
 
     async def items(self, request: EmbeddingRequest) -> list[Item]:
+        self.check_counts(request)
         items = []
         for param, parts in request.items():
             resolved = [
@@ -88,6 +94,26 @@ class MediaResolver:
             ]
             items.append(Item(parts=tuple(resolved)))
         return items
+
+    def check_counts(self, request: EmbeddingRequest) -> None:
+        """413 for too many parts in one item or too many media in the request, before any payload is
+        decoded (the limits: max_item_parts, max_request_media)."""
+        s = self._settings
+        media = 0
+        for param, parts in request.items():
+            if len(parts) > s.max_item_parts:
+                raise InputTooLargeError(
+                    f"{len(parts)} parts in one item, more than this server's limit of {s.max_item_parts} "
+                    "(max_item_parts)",
+                    param=param,
+                )
+            media += sum(isinstance(p, ImagePartIn | AudioPartIn | VideoPartIn) for p in parts)
+        if media > s.max_request_media:
+            raise InputTooLargeError(
+                f"{media} images, audio clips and videos in one request, more than this server's limit of "
+                f"{s.max_request_media} (max_request_media); send them in several requests",
+                param="input",
+            )
 
     async def _part(self, part: str | PartIn, param: str) -> Part:
         if isinstance(part, str):

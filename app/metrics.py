@@ -79,8 +79,10 @@ class Metrics:
         )
         self.dropped_items = Counter(
             "eg2_dropped_items",
-            "Prepared items dropped before the GPU because their request had ended (client gone, timeout, "
-            "another item failed)",
+            "Items dropped before the GPU because their request had ended (client gone, timeout, another "
+            "item failed), by where they were: preprocessing (queued for a thread or being decoded, which "
+            "stops) or gpu_queue (prepared, waiting for a batch)",
+            ["stage"],
             registry=r,
         )
         self.batch_splits = Counter(

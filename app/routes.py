@@ -7,6 +7,7 @@ the operator says so. Errors are raised, never returned: app/errors.py answers t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine
 from typing import Annotated, Any, TypeVar, cast
 
@@ -157,12 +158,15 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "max_text_tokens": engine.max_text_tokens,
         "limits": {
             "max_batch_tokens": service.batch_tokens(),
+            "max_prepared_media_tokens": service.prepared_media_tokens(),
             "max_batch_items": s.max_batch_items,
             "max_queued_items": s.max_queued_items,
             "max_request_items": s.max_request_items,
             "max_request_bytes": s.max_request_bytes,
-            "max_image_pixels": s.max_image_pixels,
-            "max_video_seconds": s.max_video_seconds,
+            "max_item_parts": s.max_item_parts,
+            "max_request_media": s.max_request_media,
+            "max_request_tokens": s.max_request_tokens,
+            **dataclasses.asdict(s.media_limits()),
             "request_timeout_s": s.request_timeout_s,
         },
         "engine": engine.info(),

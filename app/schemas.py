@@ -29,7 +29,9 @@ from pydantic import (
 from eg2_runtime.errors import InputError, InputTooLargeError
 from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, MATRYOSHKA_DIMS
 
-_STRICT = ConfigDict(extra="forbid")
+# strict: a value of the wrong JSON type is refused, not coerced (OpenAI's API refuses "dimensions": "256";
+# lax pydantic would read it as 256, "false" as a bool, 256.0 as an int).
+_STRICT = ConfigDict(extra="forbid", strict=True)
 
 
 class TextPartIn(BaseModel):
@@ -186,7 +188,7 @@ def _looks_like_token_ids(value: Any) -> bool:
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"examples": [{"model": "eg2", "input": "hi"}]}
+        extra="forbid", strict=True, json_schema_extra={"examples": [{"model": "eg2", "input": "hi"}]}
     )
 
     model: str | None = Field(None, description="The served name or an alias; another name gets 404.")

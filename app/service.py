@@ -117,11 +117,6 @@ def load_engine(settings: Settings) -> EngineAPI:
         model_dir = settings.model
         if not model_dir.is_dir():
             raise StartupError(f"no checkpoint directory at {model_dir} (EG2_MODEL / --model)")
-    from eg2_runtime.preprocess.limits import MediaLimits  # pulls in torch: only when really loading
-
-    limits = MediaLimits(
-        max_image_pixels=settings.max_image_pixels, max_video_seconds=settings.max_video_seconds
-    )
     from eg2_runtime.engine import Engine, EngineOptions  # pulls in torch: only when really loading
 
     options = EngineOptions(
@@ -134,7 +129,7 @@ def load_engine(settings: Settings) -> EngineAPI:
         model_dir,
         device=settings.device,
         modalities=None if settings.modalities is None else frozenset(settings.modalities),
-        limits=limits,
+        limits=settings.media_limits(),
         pack=settings.pack,
         options=options,
     )
@@ -188,6 +183,10 @@ class Service:
         on_gpu = self._engine is not None and "gpu_budget_bytes" in self._engine.memory()
         return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
 
+    def prepared_media_tokens(self) -> int:
+        """The media budget: the setting, else two batches' worth of tokens."""
+        return self.settings.max_prepared_media_tokens or 2 * self.batch_tokens()
+
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -210,6 +209,8 @@ class Service:
                 preprocess_workers=s.preprocess_workers,
                 stall_timeout_s=s.stall_timeout_s,
                 inline_prepare_chars=s.inline_prepare_chars,
+                max_request_tokens=s.max_request_tokens,
+                max_prepared_media_tokens=self.prepared_media_tokens(),
             )
             self._batcher.start()
             await self._batcher.warmup()

@@ -8,12 +8,15 @@ Architecture parameters are not here: they come from the checkpoint's config.jso
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from eg2_runtime.inputs import MediaLimits
 
 ModalityName = Literal["text", "image", "audio", "video"]
 
@@ -153,6 +156,16 @@ class Settings(BaseSettings):
     )
 
     # --- Admission and request limits ------------------------------------------------------------
+    max_prepared_media_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most media soft tokens (images, audio, video; estimated from their headers) being decoded "
+        "or decoded and waiting for the GPU, across all requests; further media wait to be decoded. Each token "
+        "holds ~7 kB of patches until its batch runs (a 1120-token image: 7.7 MB), so this bounds that memory; "
+        "unset: twice max_batch_tokens (32,768 tokens, ~230 MB, on a GPU; 4,096, ~29 MB, on a CPU). Larger "
+        "lets decoding run further ahead of the GPU, smaller saves memory. An item larger than it is decoded "
+        "alone.",
+    )
     max_queued_items: int = Field(
         default=4096,
         ge=1,
@@ -172,18 +185,86 @@ class Settings(BaseSettings):
         "and while streaming, so an oversized body gets 413 before it is read. The body is held in "
         "memory, so this times concurrency bounds the memory requests can take.",
     )
+    max_item_parts: int = Field(
+        default=64,
+        ge=1,
+        description="Most parts (text and media) in one `content` item or one `messages` request; more gets "
+        "413 before anything is decoded. An item's media must fit the model's 8192 tokens anyway (29 images "
+        "at the default 280 tokens); this bounds the work spent finding that out. Larger allows longer "
+        "interleaved documents.",
+    )
+    max_request_media: int = Field(
+        default=64,
+        ge=1,
+        description="Most media parts (images, audio, videos) in one request, across its items; more gets 413 "
+        "before anything is decoded. Each decoded image holds up to 7.7 MB of patches (1120 tokens) and a video "
+        "up to 15.5 MB until its batch runs: larger lets bulk clients send fewer requests, for more memory "
+        "and a longer hold on the decoding threads per request.",
+    )
+    max_request_tokens: int = Field(
+        default=2_000_000,
+        ge=1,
+        description="Most tokens one request may cost, estimated before anything is decoded or tokenized: text "
+        "at one token per character (real text has fewer; a character outside the vocabulary has up to 4 "
+        "byte tokens), media from their headers (exact soft tokens), each item at most the model's 8192 "
+        "tokens; more gets 413. OpenAI refuses requests over 300,000 real tokens (~1.2M characters of "
+        "English), which pass. Lower bounds how long one request may hold the GPU and the tokenizer; higher "
+        "admits larger batches of long documents.",
+    )
     max_image_pixels: int = Field(
         default=40_000_000,
         ge=1,
-        description="Largest decoded image (width x height); more gets 413. Guards against decompression bombs; "
-        "images are resized to the model's input anyway.",
+        description="Largest decoded image (width x height, read from its header before decoding); more gets "
+        "413. Guards against decompression bombs: a 40 MP image is 120 MB as RGB while it is resized, and the "
+        "model sees at most 2.6 MP (1120 tokens) anyway. Lower saves memory and decode time per image; "
+        "higher accepts larger photos.",
+    )
+    max_audio_channels: int = Field(
+        default=32,
+        ge=1,
+        description="Most audio channels accepted (they are averaged to mono); more gets 400. A forged header "
+        "could otherwise ask for gigabytes per second of audio; 32 covers multichannel studio formats.",
+    )
+    min_audio_rate: int = Field(
+        default=1_000,
+        ge=1,
+        description="Lowest audio sample rate accepted, in Hz; lower gets 400. Audio is resampled to 16 kHz, "
+        "so a lower rate only adds upsampling work for no signal.",
+    )
+    max_audio_rate: int = Field(
+        default=384_000,
+        ge=1,
+        description="Highest audio sample rate accepted, in Hz; higher gets 400. Only the first 30 s is ever "
+        "decoded, but decoding and resampling time per second grows with the rate; 384 kHz is the highest "
+        "rate studio formats use.",
     )
     max_video_seconds: float = Field(
-        default=300.0,
+        default=120.0,
         gt=0,
-        description="Longest video accepted (from container metadata, before decoding); more gets 413. Every "
-        "frame up to the last sampled one is decoded, so decode time grows with duration: this bounds "
-        "CPU time per video. Audio needs no limit: only its first 30 s is ever decoded.",
+        description="Longest video accepted (from container metadata, before decoding); more gets 413. Past "
+        "32 s the model sees 32 frames whatever the length, so longer clips buy little. Higher accepts longer "
+        "clips; their decoding cost is bounded by max_video_decode_pixels. Audio needs no limit: only its first "
+        "30 s is ever decoded.",
+    )
+    max_video_frame_pixels: int = Field(
+        default=3840 * 2160,
+        ge=1,
+        description="Largest video frame (width x height, from container metadata); more gets 413. 4K by "
+        "default; a sampled frame is held at full size only while it is resized.",
+    )
+    max_video_frames: int = Field(
+        default=14_400,
+        ge=1,
+        description="Most frames a video may declare (120 s at 120 fps); more gets 413.",
+    )
+    max_video_decode_pixels: int = Field(
+        default=4_000_000_000,
+        ge=1,
+        description="Most pixels decoding one video may produce: frame width x height x the frames decoded "
+        "to reach its last sampled frame, from container metadata before decoding; more gets 413. CPU time "
+        "follows it (every frame up to the last sampled one is decoded): a 60 s 4K clip at 30 fps is 15 "
+        "billion pixels, 17 s of CPU on the dev machine; the default allows 60 s of 1080p at 30 fps. Lower "
+        "bounds decode time per video more tightly; higher accepts longer high-resolution clips.",
     )
     request_timeout_s: float = Field(
         default=60.0,
@@ -311,7 +392,15 @@ class Settings(BaseSettings):
                 f"max_request_items ({self.max_request_items}) must not exceed max_queued_items "
                 f"({self.max_queued_items}): such a request could never be admitted"
             )
+        if self.min_audio_rate > self.max_audio_rate:
+            raise ValueError(
+                f"min_audio_rate ({self.min_audio_rate}) must not exceed max_audio_rate ({self.max_audio_rate})"
+            )
         return self
+
+    def media_limits(self) -> MediaLimits:
+        """The engine's decoding limits: these settings are their one source."""
+        return MediaLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MediaLimits)})
 
 
 def env_name(field: str) -> str:

@@ -1,7 +1,8 @@
 """The contract between the service (app/) and the runtime: plain data and one protocol, no torch.
 
     the app builds Items and PrepareOptions from requests (eg2_runtime.inputs)
-    Engine.prepare_many(items, options) -> [PreparedItem | EG2Error]   CPU, any thread
+    Engine.estimate_many(items, options) -> [int | EG2Error]          CPU, any thread: from headers
+    Engine.prepare_many(items, options, cancel) -> [PreparedItem | EG2Error]   CPU, any thread
     Engine.embed([PreparedItem, ...]) -> (B, D) float32 unit rows       the accelerator, one thread
     matryoshka(rows, dim) -> (B, dim) unit rows                          numpy
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from threading import Event
 from typing import Any, Protocol, TypedDict
 
 import numpy as np
@@ -52,8 +54,9 @@ class EngineAPI(Protocol):
     def default_prompt_name(self) -> str | None: ...
     @property
     def max_text_tokens(self) -> int: ...
+    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]: ...
     def prepare_many(
-        self, items: Sequence[Item], options: PrepareOptions
+        self, items: Sequence[Item], options: PrepareOptions, cancel: Event | None = None
     ) -> list[PreparedItem | EG2Error]: ...
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray: ...
     def warm_up(self, max_batch_items: int, max_batch_tokens: int) -> dict[str, int]: ...

@@ -1,5 +1,6 @@
 """Engine: the runtime's side of the contract in eg2_runtime/api.py (EngineAPI).
 
+    estimate_many(items, options) -> [int, ...] CPU only, thread-safe: each item's tokens from headers
     prepare(item, options) -> PreparedItem      CPU only, thread-safe: decode, tokenize, featurize
     prepare_many(items, options) -> [...]       the same for many items: media decoded on a thread
                                                 pool, all text tokenized in one call
@@ -272,13 +273,28 @@ class Engine:
         prepared = self.preprocessor.prepare(item, options)
         return _wrap(prepared)
 
-    def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
+    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]:
+        """Each item's cost in tokens before anything is decoded (`Preprocessor.estimate`: headers only),
+        or the error its headers already prove, in its slot. Thread-safe; milliseconds per video."""
+        out: list[int | EG2Error] = []
+        for item in items:
+            try:
+                out.append(self.preprocessor.estimate(item, options))
+            except EG2Error as e:
+                out.append(e)
+        return out
+
+    def prepare_many(
+        self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
+    ) -> list[PreparedItem | EG2Error]:
         """`prepare` for many items at once; a failing item gives its error in its slot. Thread-safe.
 
         Media of several items are decoded on the engine's thread pool; a single item is prepared on
-        the calling thread (the service hands each media item to a thread of its own already)."""
+        the calling thread (the service hands each media item to a thread of its own already).
+        `cancel`: once set (the caller's client left), decoding stops within a frame or an audio block
+        and the call raises eg2_runtime.errors.Cancelled."""
         executor = self._executor() if len(items) > 1 else None
-        out = self.preprocessor.prepare_batch(items, options, executor=executor)
+        out = self.preprocessor.prepare_batch(items, options, executor=executor, cancel=cancel)
         return [p if isinstance(p, EG2Error) else _wrap(p) for p in out]
 
     def _executor(self) -> ThreadPoolExecutor:

@@ -6,6 +6,8 @@ Every message is safe to show a client: it names the problem, never a path or a 
 
 from __future__ import annotations
 
+from threading import Event
+
 
 class EG2Error(Exception):
     """Base of every error the runtime raises on purpose."""
@@ -46,3 +48,17 @@ class EngineOutOfMemory(EngineError):
 
 class CheckpointError(EG2Error):
     """A checkpoint is missing, corrupt, or does not match the architecture."""
+
+
+class Cancelled(Exception):
+    """The caller's cancel flag was set while its items were being prepared: nobody waits for the work.
+
+    Not an EG2Error on purpose: it aborts the whole `prepare_many` call instead of landing in one
+    item's slot.
+    """
+
+
+def check_cancel(cancel: Event | None) -> None:
+    """Raise Cancelled when `cancel` is set (decoders call it per frame / per block)."""
+    if cancel is not None and cancel.is_set():
+        raise Cancelled

@@ -2,10 +2,12 @@
 
 An `Item` is one embedding: an ordered tuple of parts (text and media, interleaved as the client
 sent them). The service builds Items from requests; `Engine.prepare` turns one into model inputs.
+`MediaLimits` are the decoding limits the service hands the engine (built from its Settings).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -81,3 +83,28 @@ def resolve_prompt(
 
 IMAGE_TOKEN_BUDGETS = (70, 140, 280, 560, 1120)
 MATRYOSHKA_DIMS = (768, 512, 256, 128)
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Limits on media, checked from headers and container metadata before the costly decode.
+
+    No defaults here: the service builds one from its Settings (app/settings.py, where each value and
+    its trade-off is documented). What the *model* can take (8192 tokens, 30 s of audio, 32 video
+    frames) is fixed by the checkpoint and lives beside the code that enforces it, not here.
+    """
+
+    max_image_pixels: int  # decoded width x height of one image, from its header
+    max_audio_channels: int
+    min_audio_rate: int  # Hz
+    max_audio_rate: int  # Hz
+    max_video_seconds: float  # declared duration
+    max_video_frame_pixels: int  # declared width x height of one frame
+    max_video_frames: int  # declared frame count
+    max_video_decode_pixels: int  # frame pixels x frames decoded to reach the last sampled frame
+
+    @classmethod
+    def unbounded(cls) -> MediaLimits:
+        """No limits: for tools and tests on trusted files. A server always passes its own."""
+        n = sys.maxsize
+        return cls(n, n, 1, n, float("inf"), n, n, n)

@@ -179,7 +179,7 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
     wanted = {"text"} | (modalities & {"image", "video", "audio"})
     if len(wanted) > 2:
         wanted.add("mixed")  # interleaved items of several media
-    limits = {m: max(1, int(eager / (EAGER_MARGIN * costs.batch_token(m)) + 1e-6)) for m in sorted(wanted)}
+    limits = {m: max(1, int(round(eager / (EAGER_MARGIN * costs.batch_token(m)), 2))) for m in sorted(wanted)}
     if need.max_batch_tokens is not None:
         limits = {m: min(v, need.max_batch_tokens) for m, v in limits.items()}
     vision = costs.vision_slot if modalities & {"image", "video"} else 0

@@ -32,6 +32,7 @@ from app.service import State
 from app.settings import Settings
 from eg2_runtime.api import EngineMemory, PreparedItem
 from eg2_runtime.errors import (
+    Cancelled,
     EG2Error,
     EngineOutOfMemory,
     InputTooLargeError,
@@ -94,6 +95,8 @@ class FakeEngine:
         self.embedded_texts: list[str] = []  # texts of items in successful calls
         self.embed_threads: set[int] = set()
         self.prepare_calls = 0
+        self.estimate_calls = 0
+        self.prepare_cancelled = 0  # prepare_many calls stopped by their cancel flag
         self.prepare_jobs: list[list[str]] = []  # modality of each item, per prepare_many call
         self.prepare_threads: list[int] = []  # the thread of each prepare_many call
         self.warmups = 0
@@ -141,10 +144,13 @@ class FakeEngine:
         return n
 
     def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
-        with self._lock:
-            self.prepare_calls += 1
         if self.prepare_delay_s:
             time.sleep(self.prepare_delay_s)
+        return self._prepare(item, options)
+
+    def _prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
+        with self._lock:
+            self.prepare_calls += 1
         text, blob = _text_of(item), _blob(item)
         for part in item.parts:
             if isinstance(part, MediaPart) and part.kind not in self.modalities:
@@ -162,15 +168,30 @@ class FakeEngine:
             n = self.max_text_tokens
         return PreparedItem(item.modality, n, n, inputs=(self.seed_of(item, options.prompt), text))
 
-    def prepare_many(self, items: Sequence[Item], options: PrepareOptions) -> list[PreparedItem | EG2Error]:
-        """As Engine.prepare_many: an input error in its item's slot; a bug raises."""
+    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]:
+        """As Engine.estimate_many: what prepare will count, before it runs."""
+        with self._lock:
+            self.estimate_calls += 1
+        return [min(self.tokens(item, options), self.max_text_tokens) for item in items]
+
+    def prepare_many(
+        self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
+    ) -> list[PreparedItem | EG2Error]:
+        """As Engine.prepare_many: an input error in its item's slot; a bug raises; Cancelled once
+        `cancel` is set (checked per item and through the prepare delay)."""
         with self._lock:
             self.prepare_jobs.append([item.modality for item in items])
             self.prepare_threads.append(threading.get_ident())
         out: list[PreparedItem | EG2Error] = []
         for item in items:
+            if cancel is None:
+                time.sleep(self.prepare_delay_s)
+            elif cancel.wait(self.prepare_delay_s):  # the delay stands for decoding: it stops when told
+                with self._lock:
+                    self.prepare_cancelled += 1
+                raise Cancelled
             try:
-                out.append(self.prepare(item, options))
+                out.append(self._prepare(item, options))
             except EG2Error as e:
                 out.append(e)
         return out

@@ -279,3 +279,43 @@ def mkv_declaring_seconds(data: bytes, seconds: float) -> bytes:
 def garbage_after_magic(data: bytes, keep: int = 16, seed: int = 0) -> bytes:
     """The first `keep` bytes (the magic, so the right decoder is picked), then random bytes."""
     return data[:keep] + np.random.default_rng(seed).bytes(max(len(data) - keep, 64))
+
+
+def moving_texture_clip(frames: int, size: tuple[int, int], fps: int = 30, seed: int = 0) -> bytes:
+    """An H.264 MP4 of a blocky texture sliding 4 px per frame, one keyframe: cheap to encode and small,
+    while every frame still costs the decoder motion compensation over the whole picture."""
+    height, width = size
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 4, (height // 120 + 1, width // 120 + 1), dtype=np.uint8) * 60
+    texture = np.repeat(blocks.repeat(120, 0).repeat(120, 1)[:height, :width, None], 3, axis=2)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4", options={"fflags": "+bitexact"}) as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "ultrafast", "crf": "45", "g": str(frames)}
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.roll(texture, 4 * i, axis=1), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def repeated_clip(data: bytes, times: int) -> bytes:
+    """The clip's packets muxed `times` times in a row (timestamps shifted, nothing re-encoded): a long
+    clip for the price of encoding a short one. Each copy starts on a keyframe, so it decodes."""
+    with av.open(io.BytesIO(data)) as src:
+        stream = src.streams.video[0]
+        packets = [p for p in src.demux(stream) if p.size]
+        span = max(p.pts + p.duration for p in packets) - min(p.pts for p in packets)
+        buf = io.BytesIO()
+        with av.open(buf, "w", format="mp4", options={"fflags": "+bitexact"}) as out:
+            copy = out.add_stream_from_template(stream)
+            for k in range(times):
+                for p in packets:
+                    q = av.Packet(bytes(p))
+                    q.pts, q.dts, q.duration = p.pts + k * span, p.dts + k * span, p.duration
+                    q.is_keyframe, q.time_base, q.stream = p.is_keyframe, p.time_base, copy
+                    out.mux(q)
+    return buf.getvalue()

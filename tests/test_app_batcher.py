@@ -48,6 +48,8 @@ def run(
         "preprocess_workers": 2,
         "stall_timeout_s": 60,
         "inline_prepare_chars": 0,
+        "max_request_tokens": 1_000_000,
+        "max_prepared_media_tokens": 1_000_000,
     }
     args.update(kw)
 
@@ -311,7 +313,80 @@ def test_dead_requests_are_dropped_before_the_gpu() -> None:
 
     run(engine, body)
     assert not [t for t in engine.embedded_texts if t.startswith("doomed")]
-    assert metrics.dropped_items._value.get() == 3
+    assert metrics.dropped_items.labels("gpu_queue")._value.get() == 3
+    assert metrics.dropped_items.labels("preprocessing")._value.get() == 0
+
+
+def test_an_ended_request_stops_its_preparation_and_counts_it_dropped() -> None:
+    """Cancelled (a disconnect, a timeout) while its images are being prepared: the two being prepared
+    stop at once (the engine's cancel flag), the one still waiting for a thread never runs, and all three
+    count as dropped in preprocessing."""
+    engine = FakeEngine(prepare_delay_s=30)  # "decoding" that takes 30 s unless cancelled
+    metrics = Metrics()
+    images = [Item((MediaPart("image", bytes([i]) * 8),)) for i in range(3)]
+
+    async def body(b: Batcher) -> None:
+        b._metrics = metrics
+        task = asyncio.create_task(b.embed(images, OPTS))
+        await until(lambda: len(engine.prepare_jobs) == 2)  # two threads busy, the third job queued
+        task.cancel()
+        await until(lambda: engine.prepare_cancelled == 2, timeout=2)
+
+    run(engine, body, preprocess_workers=2)
+    assert len(engine.prepare_jobs) == 2, "the queued job ran after its request had ended"
+    assert metrics.dropped_items.labels("preprocessing")._value.get() == 3
+    assert metrics.dropped_items.labels("gpu_queue")._value.get() == 0
+
+
+def test_media_decoded_ahead_of_the_gpu_stays_under_its_budget() -> None:
+    """The GPU is stuck: of two requests' 10 images (284 tokens each for the FakeEngine), only three fit
+    the 852-token budget, so only three are decoded; the rest start as batches complete. A request
+    cancelled while waiting gives back what it held; the budget ends empty."""
+    engine = FakeEngine()
+    images = [Item((MediaPart("image", bytes([i]) * 8),)) for i in range(10)]
+
+    async def body(b: Batcher) -> None:
+        engine.stall()
+        first = asyncio.create_task(b.embed(images[:6], OPTS))
+        second = asyncio.create_task(b.embed(images[6:], OPTS))
+        await until(lambda: len(engine.prepare_jobs) == 3)
+        await asyncio.sleep(0.2)
+        assert len(engine.prepare_jobs) == 3 and b.media_budget.used == 852, b.media_budget.used
+        second.cancel()
+        await asyncio.sleep(0.05)
+        assert b.media_budget.used <= 852
+        engine.release()
+        result = await first
+        assert result.vectors.shape == (6, 768)
+        assert b.media_budget.used == 0
+
+    run(engine, body, max_prepared_media_tokens=3 * 284, preprocess_workers=4)
+    # The six of the first request, and at most what the second had decoded before it was cancelled.
+    assert 6 <= len(engine.prepare_jobs) <= 8
+
+
+def test_an_item_larger_than_the_media_budget_is_decoded_alone() -> None:
+    engine = FakeEngine()
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed([Item((MediaPart("image", b"x"),)), Item((MediaPart("image", b"y"),))], OPTS)
+
+    assert run(engine, body, max_prepared_media_tokens=100).vectors.shape == (2, 768)
+
+
+def test_a_request_over_the_token_limit_is_refused_before_any_work() -> None:
+    engine = FakeEngine()
+
+    async def body(b: Batcher) -> BaseException | None:
+        try:
+            await b.embed(items(words(600, "a"), words(600, "b")), OPTS)
+        except Exception as e:
+            return e
+        return None
+
+    error = run(engine, body, max_request_tokens=1000)
+    assert error is not None and classify(error) == (413, "request_too_large"), error
+    assert "about 1204 tokens" in str(error) and not engine.prepare_jobs and engine.estimate_calls == 1
 
 
 def test_admission_counts_items_and_refuses_at_once() -> None:

@@ -41,7 +41,8 @@ def engine(tiny_bf16: Path) -> Engine:
 @pytest.fixture(scope="module")
 def server(tiny_bf16: Path) -> Iterator[LiveServer]:
     settings = make_settings(max_request_items=64, max_request_bytes=2 << 20, max_batch_tokens=2048)
-    with live(settings, Engine.from_dir(tiny_bf16, device="cpu"), ready_timeout=120) as s:
+    engine = Engine.from_dir(tiny_bf16, device="cpu", limits=settings.media_limits())
+    with live(settings, engine, ready_timeout=120) as s:
         yield s
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 
 from app import cli
 from app.settings import Settings, env_name, flag_name, markdown_table, settings_page
+from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.tools import samples
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +99,24 @@ def test_serve_reports_bad_settings_without_a_traceback(capsys: pytest.CaptureFi
 def test_secret_is_not_in_repr_or_dump() -> None:
     s = Settings(api_key="sk-very-secret")
     assert "sk-very-secret" not in repr(s) and "sk-very-secret" not in str(s.model_dump(mode="json"))
+
+
+def test_media_limits_have_one_source(tiny_bf16: Path) -> None:
+    """The engine's decoding limits come from Settings alone: MediaLimits declares no defaults (the video
+    length was 300 s in Settings and 120 s in MediaLimits), each of its fields is a setting, and the
+    engine the service loads holds exactly those values."""
+    from app.service import load_engine
+
+    assert all(f.default is MISSING and f.default_factory is MISSING for f in fields(MediaLimits))
+    s = Settings(
+        model=tiny_bf16, device="cpu", max_video_seconds=42.0, max_image_pixels=1234, max_audio_channels=3
+    )
+    limits = s.media_limits()
+    assert {f.name: getattr(limits, f.name) for f in fields(MediaLimits)} == {
+        f.name: getattr(s, f.name) for f in fields(MediaLimits)
+    }
+    engine: Any = load_engine(s)
+    assert engine.preprocessor.limits == limits
 
 
 def test_docs_settings_page_is_current() -> None:

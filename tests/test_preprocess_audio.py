@@ -8,11 +8,12 @@ proved separately against the analytic signal (a sine keeps its frequency and it
 from __future__ import annotations
 
 import io
+import threading
 
 import numpy as np
 import pytest
 
-from eg2_runtime.errors import InputTooLongError, MediaDecodeError
+from eg2_runtime.errors import Cancelled, InputTooLongError, MediaDecodeError
 from eg2_runtime.preprocess.audio import MAX_SAMPLES, LogMel, MelConfig, load_audio, num_soft_tokens
 from tests import media
 
@@ -145,3 +146,14 @@ def test_float_wav_with_nan_or_inf_is_refused() -> None:
         samples[100] = bad
         with pytest.raises(MediaDecodeError, match="NaN or infinite"):
             load_audio(media.wav_float(samples, 16_000))
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "m4a"])
+def test_decoding_stops_once_cancelled(fmt: str) -> None:
+    """The decode loops (soundfile blocks, PyAV frames) check the cancel flag: set, nothing is decoded."""
+    data = media.encode_audio(media.sine(20.0, 44_100, channels=2), 44_100, fmt)
+    cancel = threading.Event()
+    assert len(load_audio(data, cancel=cancel)[0]) > 0
+    cancel.set()
+    with pytest.raises(Cancelled):
+        load_audio(data, cancel=cancel)

@@ -16,14 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.settings import Settings
 from eg2_runtime.errors import InputError
 from eg2_runtime.preprocess.audio import LogMel, MelConfig, load_audio
 from eg2_runtime.preprocess.image import PatchGeometry, decode_image, prepare_image
-from eg2_runtime.preprocess.limits import MediaLimits
 from eg2_runtime.preprocess.video import VideoConfig, decode_video, prepare_frames
 from tests import media
 
-LIMITS = MediaLimits()
+LIMITS = Settings().media_limits()  # the service's defaults
 GEOMETRY = PatchGeometry()
 LOG_MEL = LogMel(MelConfig())
 DEADLINE_S = 10.0

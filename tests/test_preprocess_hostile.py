@@ -20,14 +20,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.settings import Settings
 from eg2_runtime.errors import InputTooLargeError, MediaDecodeError
 from eg2_runtime.preprocess.audio import load_audio
 from eg2_runtime.preprocess.image import decode_image
-from eg2_runtime.preprocess.limits import MediaLimits
 from eg2_runtime.preprocess.video import VideoConfig, decode_video
 from tests import media
 
-LIMITS = MediaLimits()
+LIMITS = Settings().media_limits()  # the service's defaults
 DEADLINE_S = 10.0
 OURS = (MediaDecodeError, InputTooLargeError)
 

@@ -181,3 +181,41 @@ def test_unit_pixels_is_the_float32_rescale() -> None:
     want = torch.from_numpy(codes * np.float32(1 / 255))
     assert want.dtype == torch.float32
     assert torch.equal(unit_pixels(torch.from_numpy(codes)), want)
+
+
+STRIP_CASES = {
+    "rgb-png": lambda rgb: media.encode_image(rgb, "PNG"),
+    "rgba-png": media.rgba_png,
+    "palette-transparent": lambda rgb: media.palette_png(rgb, transparent_index=3),
+    "gray16": lambda rgb: media.png16_gray(rgb[:, :, 0]),
+    "cmyk-jpeg": media.cmyk_jpeg,
+    "float-tiff": lambda rgb: media.encode_image(rgb[:, :, 0].astype(np.float32) / 255, "TIFF"),
+    "float-tiff-255": lambda rgb: media.encode_image(rgb[:, :, 1].astype(np.float32), "TIFF"),
+}
+
+
+@pytest.mark.parametrize("case", list(STRIP_CASES))
+def test_rgb_in_strips_equals_rgb_at_once(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversion to RGB runs in strips of rows; strips of one row give the pixels of one strip."""
+    data = STRIP_CASES[case](media.picture(37, 53))
+    whole = decode_image(data, max_pixels=MAX_PIXELS)
+    monkeypatch.setattr("eg2_runtime.preprocess.image._STRIP_BYTES", 1)
+    np.testing.assert_array_equal(decode_image(data, max_pixels=MAX_PIXELS), whole)
+
+
+def test_a_large_image_is_not_copied_whole_while_converted() -> None:
+    """A 20 MP PNG: numpy and Python hold the RGB result plus a strip (before: Pillow's bytes and a
+    numpy copy, two full images, +240 MB for this one)."""
+    import tracemalloc
+
+    rgb = np.zeros((4000, 5000, 3), dtype=np.uint8)
+    rgb[::3, ::5] = 200
+    data = media.encode_image(rgb, "PNG")
+    tracemalloc.start()
+    try:
+        out = decode_image(data, max_pixels=MAX_PIXELS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(out, rgb)
+    assert peak < 1.25 * rgb.nbytes, f"peak {peak / 1e6:.0f} MB traced for a {rgb.nbytes / 1e6:.0f} MB image"

@@ -9,6 +9,9 @@ must pick the same frames (same decode indices, so the same timestamps) with the
 from __future__ import annotations
 
 import tempfile
+import threading
+import time
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -16,13 +19,14 @@ import numpy as np
 import pytest
 import torch
 
+from app.settings import Settings
+from eg2_runtime.errors import Cancelled, InputTooLargeError
 from eg2_runtime.preprocess.image import PatchGeometry, unit_pixels
-from eg2_runtime.preprocess.limits import MediaLimits
 from eg2_runtime.preprocess.video import VideoConfig, decode_video, prepare_frames
 from tests import media
 
 CONFIG = VideoConfig()
-LIMITS = MediaLimits()
+LIMITS = Settings().media_limits()  # the service's defaults
 
 
 def video_processor() -> Any:
@@ -103,13 +107,67 @@ def test_matroska_without_frame_count(fmt: str) -> None:
 
 def test_limits_are_parameters() -> None:
     data = media.encode_video(3, 10, size=(64, 96))
-    from eg2_runtime.errors import InputTooLargeError
-
     for limits in (
-        MediaLimits(max_video_seconds=2.5),
-        MediaLimits(max_video_frames=29),
-        MediaLimits(max_video_frame_pixels=64 * 96 - 1),
+        replace(LIMITS, max_video_seconds=2.5),
+        replace(LIMITS, max_video_frames=29),
+        replace(LIMITS, max_video_frame_pixels=64 * 96 - 1),
     ):
         with pytest.raises(InputTooLargeError):
             decode_video(data, CONFIG, limits)
-    assert len(decode_video(data, CONFIG, MediaLimits(max_video_seconds=3, max_video_frames=30)).indices) == 3
+    assert (
+        len(decode_video(data, CONFIG, replace(LIMITS, max_video_seconds=3, max_video_frames=30)).indices)
+        == 3
+    )
+
+
+@pytest.mark.parametrize(
+    ("seconds", "fps", "size"), [(3, 10, (120, 200)), (40, 2, (98, 130)), (2, 4, (480, 640))]
+)
+def test_frames_resized_as_decoded_equal_the_stack_resized(
+    seconds: int, fps: int, size: tuple[int, int]
+) -> None:
+    """decode_video(geometry=...) resizes each sampled frame as it comes (32 frames of 4K: 796 MB at
+    full size, 15 MB resized): the same patches as resizing the stack (the reference path)."""
+    data = media.encode_video(seconds, fps, size=size)
+    whole = decode_video(data, CONFIG, LIMITS)
+    each = decode_video(data, CONFIG, LIMITS, geometry=PatchGeometry())
+    assert each.indices == whole.indices and each.frames.shape[1:3] != whole.frames.shape[1:3]
+    want = prepare_frames(whole.frames, CONFIG.budget, PatchGeometry())
+    got = prepare_frames(each.frames, CONFIG.budget, PatchGeometry())
+    assert torch.equal(got.pixel_values, want.pixel_values) and torch.equal(
+        got.position_ids, want.position_ids
+    )
+
+
+def test_decode_cost_is_limited_from_metadata() -> None:
+    """Frame pixels x frames up to the last sampled one, refused before a frame is decoded."""
+    data = media.encode_video(20, 10, size=(64, 96))  # last sampled frame: 190
+    cost = 64 * 96 * 191
+    with pytest.raises(InputTooLargeError, match="costly to decode"):
+        decode_video(data, CONFIG, replace(LIMITS, max_video_decode_pixels=cost - 1))
+    assert len(decode_video(data, CONFIG, replace(LIMITS, max_video_decode_pixels=cost)).indices) == 20
+
+
+def test_decoding_stops_within_a_frame_once_cancelled() -> None:
+    """A 60 s 1080p clip takes seconds to decode; its cancel flag set 0.2 s in stops it at once."""
+    data = media.repeated_clip(media.moving_texture_clip(30, (1080, 1920)), 60)
+    limits = replace(LIMITS, max_video_decode_pixels=10**13)
+    cancel = threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def decode() -> None:
+        try:
+            decode_video(data, CONFIG, limits, geometry=PatchGeometry(), cancel=cancel)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    time.sleep(0.2)
+    cancel.set()
+    start = time.monotonic()
+    worker.join(timeout=30)
+    stopped = time.monotonic() - start
+    assert outcome and isinstance(outcome[0], Cancelled), outcome
+    assert stopped < 1.0, f"decoding went on for {stopped:.2f} s after the cancel"

@@ -282,6 +282,8 @@ def _batcher(engine: FakeEngine) -> Batcher:
         preprocess_workers=2,
         stall_timeout_s=60,
         inline_prepare_chars=0,
+        max_request_tokens=1_000_000,
+        max_prepared_media_tokens=1_000_000,
     )
 
 

@@ -66,7 +66,8 @@ def server(tiny_bf16: Path) -> Iterator[LiveServer]:
     settings_ = make_settings(
         max_request_bytes=4 << 20, max_request_items=2048, max_batch_tokens=2048, body_read_timeout_s=2.0
     )
-    with live(settings_, Engine.from_dir(tiny_bf16, device="cpu"), ready_timeout=120) as s:
+    engine = Engine.from_dir(tiny_bf16, device="cpu", limits=settings_.media_limits())
+    with live(settings_, engine, ready_timeout=120) as s:
         yield s
 
 

@@ -39,7 +39,8 @@ def server(tiny_bf16: Path) -> Iterator[LiveServer]:
     settings_ = make_settings(
         api_key=KEY, max_request_bytes=1 << 20, max_request_items=64, max_batch_tokens=2048
     )
-    with live(settings_, Engine.from_dir(tiny_bf16, device="cpu"), ready_timeout=120) as s:
+    engine = Engine.from_dir(tiny_bf16, device="cpu", limits=settings_.media_limits())
+    with live(settings_, engine, ready_timeout=120) as s:
         yield s
 
 

@@ -6,11 +6,11 @@ audio.py         decode, downmix, resample to 16 kHz, log-mel features and mask
 video.py         decode, 1 fps sampling (<= 32 frames), per-frame patches
 layout.py        the token sequence: markers, placeholders, truncation; `Prepared`
 preprocessor.py  `Preprocessor`: all of the above for one model directory
-limits.py        `MediaLimits`: size limits checked before decoding
+limits.py        decoder errors as client-safe reasons (the limits: eg2_runtime.inputs.MediaLimits)
 """
 
+from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.preprocess.layout import Prepared
-from eg2_runtime.preprocess.limits import MediaLimits
 from eg2_runtime.preprocess.preprocessor import Preprocessor, prepare_item
 
 __all__ = ["MediaLimits", "Prepared", "Preprocessor", "prepare_item"]

@@ -15,21 +15,31 @@ whole window lies in real audio; invalid frames are zeroed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 from dataclasses import dataclass
+from threading import Event
 from typing import Any
 
 import numpy as np
 import soundfile as sf
 import soxr
 
-from eg2_runtime.errors import InputTooLargeError, InputTooLongError, MediaDecodeError
+from eg2_runtime.errors import (
+    Cancelled,
+    InputTooLargeError,
+    InputTooLongError,
+    MediaDecodeError,
+    check_cancel,
+)
+from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.preprocess import containers
-from eg2_runtime.preprocess.limits import MediaLimits, reason
+from eg2_runtime.preprocess.limits import reason
 
 SAMPLE_RATE = 16_000
 MAX_SAMPLES = 480_000  # 30 s: the feature extractor's max_length
+MAX_SECONDS = MAX_SAMPLES / SAMPLE_RATE
 # Decoded past 30 s so the resampler's filter has real signal at the cut; 0.25 s >> soxr's filter length.
 _MARGIN_SECONDS = 0.25
 _SOUNDFILE_MAGIC = (b"RIFF", b"RF64", b"fLaC", b"OggS", b"FORM")
@@ -102,8 +112,8 @@ class LogMel:
         left = c.frame_length // 2  # semicausal: the first window is centred on t = 0
         x = np.zeros(left + padded_len, dtype=np.float32)
         x[left : left + n] = wave
-        size = c.frame_length + 1  # the reference unfolds 321 samples and drops the last (no preemphasis)
-        num_frames = max((len(x) - size) // c.hop_length + 1, 0)
+        mask = self.mask(n)
+        num_frames = len(mask)
         # (F, frame_length) strided view: frame i starts at i * hop in the left-padded signal.
         frames = np.lib.stride_tricks.as_strided(
             x, shape=(num_frames, c.frame_length), strides=(x.strides[0] * c.hop_length, x.strides[0])
@@ -114,11 +124,24 @@ class LogMel:
             log_mel = log_mel - np.asarray(c.per_bin_mean)
         if c.per_bin_stddev is not None:
             log_mel = log_mel / np.asarray(c.per_bin_stddev)
-        # Frame i's window ends at original sample i * hop + hop (index in the unpadded signal).
-        mask = np.arange(num_frames) * c.hop_length + size - 1 - left < n
         features = log_mel.astype(np.float32)
         features[~mask] = 0.0
         return features, mask
+
+    def mask(self, n: int) -> np.ndarray:
+        """(F,) bool for n samples at 16 kHz: which frames lie wholly in real audio (frame i's window
+        ends at original sample i * hop + hop)."""
+        c = self.config
+        padded_len = -(-n // c.pad_to_multiple_of) * c.pad_to_multiple_of
+        left = c.frame_length // 2
+        size = c.frame_length + 1  # the reference unfolds 321 samples and drops the last (no preemphasis)
+        num_frames = max((left + padded_len - size) // c.hop_length + 1, 0)
+        return np.arange(num_frames) * c.hop_length + size - 1 - left < n
+
+    def soft_tokens(self, seconds: float) -> int:
+        """Soft tokens of `seconds` of audio (at most 30 s are kept), without the audio itself."""
+        n = min(MAX_SAMPLES, round(seconds * self.config.sampling_rate))
+        return num_soft_tokens(self.mask(n))
 
 
 def mel_filter_bank(c: MelConfig) -> np.ndarray:
@@ -151,15 +174,17 @@ def load_audio(
     limits: MediaLimits | None = None,
     sample_rate: int = SAMPLE_RATE,
     max_samples: int = MAX_SAMPLES,
+    cancel: Event | None = None,
 ) -> tuple[np.ndarray, bool]:
-    """Decode, downmix, resample to `sample_rate` and cut at `max_samples`.
+    """Decode, downmix, resample to `sample_rate` and cut at `max_samples`. `cancel` is checked per
+    decoded block (raises Cancelled once set).
 
     Returns ((n,) float32, cut) where `cut` says the source was longer than the limit. With truncate off
     a longer source raises InputTooLongError instead.
     """
-    limits = limits or MediaLimits()
+    limits = limits or MediaLimits.unbounded()
     max_seconds = max_samples / sample_rate
-    mono, rate = _decode(data, max_seconds + _MARGIN_SECONDS, limits)
+    mono, rate = _decode(data, max_seconds + _MARGIN_SECONDS, limits, cancel)
     if not np.isfinite(mono).all():
         raise MediaDecodeError("audio contains NaN or infinite samples", param="input")
     too_long = len(mono) > max_seconds * rate
@@ -175,16 +200,34 @@ def load_audio(
     return np.ascontiguousarray(mono[:max_samples]), too_long
 
 
-def _decode(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np.ndarray, int]:
+def probe_seconds(data: bytes) -> float | None:
+    """The duration the file declares, from its header alone (nothing decoded); None when it declares
+    none or the header cannot be read (the decoder then has the last word on the file)."""
+    try:
+        if data[:4] in _SOUNDFILE_MAGIC:
+            with contextlib.suppress(Exception):
+                info = sf.info(io.BytesIO(data))
+                if 0 < info.frames < _UNKNOWN_FRAMES and info.samplerate > 0:
+                    return float(info.frames / info.samplerate)
+        with containers.open_container(data, _AV_FORMATS, "audio", "audio") as c:
+            stream = next((s for s in c.streams if s.type == "audio"), None)
+            return containers.declared_seconds(c, stream) if stream is not None else None
+    except Exception:
+        return None
+
+
+def _decode(
+    data: bytes, max_seconds: float, limits: MediaLimits, cancel: Event | None
+) -> tuple[np.ndarray, int]:
     """Mono float32 samples at the source rate, at most `max_seconds` of them, and that rate."""
     if data[:4] in _SOUNDFILE_MAGIC:
         try:
-            return _decode_soundfile(data, max_seconds, limits)
+            return _decode_soundfile(data, max_seconds, limits, cancel)
         except MediaDecodeError:
             if data[:4] != b"OggS":
                 raise
             # An Ogg codec libsndfile lacks: PyAV reads Ogg too.
-    return _decode_av(data, max_seconds, limits)
+    return _decode_av(data, max_seconds, limits, cancel)
 
 
 def _check_format(rate: int, channels: int, limits: MediaLimits) -> None:
@@ -201,7 +244,9 @@ def _check_format(rate: int, channels: int, limits: MediaLimits) -> None:
         )
 
 
-def _decode_soundfile(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np.ndarray, int]:
+def _decode_soundfile(
+    data: bytes, max_seconds: float, limits: MediaLimits, cancel: Event | None
+) -> tuple[np.ndarray, int]:
     _check_wav_length(data)
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
@@ -212,6 +257,7 @@ def _decode_soundfile(data: bytes, max_seconds: float, limits: MediaLimits) -> t
             got = 0
             # Read in blocks, never `frames` at once: the header's frame count is not trusted.
             while got < budget:
+                check_cancel(cancel)
                 block = f.read(min(_BLOCK, budget - got), dtype="float32", always_2d=True)  # (n, channels)
                 if len(block) == 0:
                     break
@@ -222,7 +268,7 @@ def _decode_soundfile(data: bytes, max_seconds: float, limits: MediaLimits) -> t
                 raise MediaDecodeError(
                     f"audio file is truncated: {declared} frames declared, {got} found", param="input"
                 )
-    except MediaDecodeError:
+    except (MediaDecodeError, Cancelled):
         raise
     except sf.LibsndfileError as e:
         raise MediaDecodeError(f"could not decode audio: {e.error_string}", param="input") from e
@@ -265,7 +311,9 @@ def _check_wav_length(data: bytes) -> None:
 _AV_SCALE = {"u8": 1 / 128, "s16": 1 / 32768, "s32": 1 / 2**31, "s64": 1 / 2**63, "flt": 1.0, "dbl": 1.0}
 
 
-def _decode_av(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np.ndarray, int]:
+def _decode_av(
+    data: bytes, max_seconds: float, limits: MediaLimits, cancel: Event | None
+) -> tuple[np.ndarray, int]:
     chunks: list[np.ndarray] = []
     try:
         with containers.open_container(
@@ -280,6 +328,7 @@ def _decode_av(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np
             declared = containers.declared_seconds(c, stream) if exact else None
             frame: Any
             for frame in c.decode(stream):
+                check_cancel(cancel)
                 if rate == 0:
                     rate = int(frame.sample_rate)
                     _check_format(rate, frame.layout.nb_channels, limits)
@@ -292,7 +341,7 @@ def _decode_av(data: bytes, max_seconds: float, limits: MediaLimits) -> tuple[np
                 got += len(chunks[-1])
                 if got >= budget:
                     break
-    except MediaDecodeError:
+    except (MediaDecodeError, Cancelled):
         raise
     except MemoryError as e:
         raise InputTooLargeError("audio is too large to decode", param="input") from e

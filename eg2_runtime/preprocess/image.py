@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,28 +97,86 @@ def decode_image(data: bytes, *, max_pixels: int) -> np.ndarray:
             raise MediaDecodeError(f"could not decode image: {reason(e)}", param="input") from e
 
 
+def probe_tokens(data: bytes, budget: int, geometry: PatchGeometry, max_pixels: int) -> int:
+    """Soft tokens this image will take, from its header alone (nothing decoded).
+
+    Raises InputTooLargeError past `max_pixels`, as decode_image would. A header that cannot be read
+    counts as the whole budget: the decoder has the last word on the file. EXIF orientation is not
+    read (for PNG, Pillow would decode the image to find it): a quarter turn swaps height and width,
+    which gives the same patch count.
+    """
+    try:
+        with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+            width, height = im.size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise InputTooLargeError(f"image is too large: more than {max_pixels} pixels", param="input") from e
+    except Exception:
+        return budget
+    if width <= 0 or height <= 0:
+        return budget
+    if width * height > max_pixels:
+        raise InputTooLargeError(
+            f"image is too large: {width}x{height} = {width * height} pixels, the limit is {max_pixels}",
+            param="input",
+        )
+    return soft_tokens(height, width, budget, geometry)
+
+
+def soft_tokens(height: int, width: int, budget: int, geometry: PatchGeometry) -> int:
+    """Soft tokens of an image of this size resized for `budget` (what `prepare_image` gives it)."""
+    th, tw = target_size(height, width, budget, geometry)
+    p = geometry.patch_size
+    return (th // p) * (tw // p) // geometry.pooling_kernel_size**2
+
+
 def _to_rgb(im: Image.Image) -> np.ndarray:
     """(H, W, 3) uint8, the way transformers' `convert_to_rgb` does it for PIL images, 16-bit fixed.
 
-    Transparency is composited on white. Pillow's own I;16 -> RGB conversion clips (a 16-bit grayscale
-    PNG turns white); we keep the high byte instead, which is what an 8-bit export of that file holds.
+    Converted in strips of rows into one array: every conversion here works pixel by pixel, and a whole
+    40 MP image converted at once held two more full copies (Pillow's bytes and numpy's array, +400 MB
+    peak with its 160 MB RGBX decode) where a strip holds ~8 MB.
     """
+    width, height = im.size
+    out = np.empty((height, width, 3), dtype=np.uint8)
+    rows = max(1, _STRIP_BYTES // (16 * width))  # 16: the widest pixel met on the way (RGBA as int64)
+
+    def strips() -> Iterator[tuple[int, Image.Image]]:  # one at a time: together they are a full copy
+        for y in range(0, height, rows):
+            yield y, im.crop((0, y, width, min(height, y + rows)))
+
+    scale = 1.0
+    if im.mode == "F":  # a float image holds [0, 1] or [0, 255]: decided on the whole image
+        top = max(float(_finite(np.asarray(strip, dtype=np.float32)).max()) for _, strip in strips())
+        scale = 255.0 if top <= 1.0 else 1.0
+    for y, strip in strips():
+        out[y : y + rows] = _rgb_rows(strip, scale)
+    return out
+
+
+def _finite(f: np.ndarray) -> np.ndarray:
+    return np.nan_to_num(f, nan=0.0, posinf=255.0, neginf=0.0)
+
+
+_STRIP_BYTES = 8 << 20
+
+
+def _rgb_rows(im: Image.Image, float_scale: float) -> np.ndarray:
+    """One strip of `_to_rgb`. Transparency is composited on white. Pillow's own I;16 -> RGB conversion
+    clips (a 16-bit grayscale PNG turns white); we keep the high byte instead, which is what an 8-bit
+    export of that file holds."""
     if im.mode.startswith("I;16") or im.mode == "I":
         gray = np.asarray(im).astype(np.int64)
         gray = (np.clip(gray, 0, 65535) >> 8).astype(np.uint8)
         return np.repeat(gray[:, :, None], 3, axis=2)
     if im.mode == "F":
-        f = np.asarray(im, dtype=np.float32)
-        f = np.nan_to_num(f, nan=0.0, posinf=255.0, neginf=0.0)
-        scale = 255.0 if f.size and float(f.max()) <= 1.0 else 1.0  # float TIFFs hold [0, 1] or [0, 255]
-        gray = np.clip(np.rint(f * scale), 0, 255).astype(np.uint8)
+        f = _finite(np.asarray(im, dtype=np.float32))
+        gray = np.clip(np.rint(f * float_scale), 0, 255).astype(np.uint8)
         return np.repeat(gray[:, :, None], 3, axis=2)
     if "A" in im.getbands() or im.info.get("transparency") is not None:
         rgba = im.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return np.array(Image.alpha_composite(white, rgba).convert("RGB"))
-    # np.array: writable, as torch.from_numpy wants; convert() would add a copy even for RGB.
-    return np.array(im if im.mode == "RGB" else im.convert("RGB"))
+        return np.asarray(Image.alpha_composite(white, rgba).convert("RGB"))
+    return np.asarray(im if im.mode == "RGB" else im.convert("RGB"))
 
 
 def target_size(height: int, width: int, budget: int, geometry: PatchGeometry) -> tuple[int, int]:

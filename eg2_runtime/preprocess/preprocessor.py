@@ -8,24 +8,40 @@ caller's `MediaLimits`; errors are the runtime's InputError family with client-s
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
+from threading import Event
 from typing import Any
 
 import numpy as np
 import torch
 
 from eg2_runtime.config import ModelConfig
-from eg2_runtime.errors import CheckpointError, EG2Error, InputError, ModalityNotLoadedError
-from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, Item, MediaKind, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.errors import (
+    CheckpointError,
+    EG2Error,
+    InputError,
+    InputTooLongError,
+    ModalityNotLoadedError,
+    check_cancel,
+)
+from eg2_runtime.inputs import (
+    IMAGE_TOKEN_BUDGETS,
+    Item,
+    MediaKind,
+    MediaLimits,
+    MediaPart,
+    PrepareOptions,
+    TextPart,
+)
 from eg2_runtime.preprocess import audio, image, video
 from eg2_runtime.preprocess.layout import Markers, Prepared, check_text, expand
-from eg2_runtime.preprocess.limits import MediaLimits
-from eg2_runtime.preprocess.text import MAX_TOKENS, Prompts, TextTokenizer
+from eg2_runtime.preprocess.text import CUT_WINDOW, MAX_TOKENS, Prompts, TextTokenizer
 
 
 class Preprocessor:
@@ -39,13 +55,21 @@ class Preprocessor:
         limits: MediaLimits | None = None,
         modalities: Sequence[MediaKind] | None = None,
         max_tokens: int = MAX_TOKENS,
+        bounded_text: bool = True,
     ) -> None:
         pc = processor_config or {}
         self.tokenizer = tokenizer
         self.config = config
         self.prompts = prompts or Prompts({})
-        self.limits = limits or MediaLimits()
+        self.limits = limits or MediaLimits.unbounded()
         self.max_tokens = max_tokens
+        # The fast path (see `_render`): an item's text cut at a provable cut point past what can reach
+        # the model, the prompt's head tokenized once per prompt. False: the reference path, each
+        # item's whole string tokenized, as transformers does (tests prove the two equal).
+        self.bounded_text = bounded_text
+        # n tokens cover at most n * max_token_chars characters: text past this many cannot be kept.
+        self.text_bound = max_tokens * tokenizer.max_token_chars
+        self._prompt_head = functools.lru_cache(maxsize=64)(self._split_prompt)
         vision = config.vision
         pixels = pc.get("image_processor") or {}  # patch geometry: the processor's, else the tower's
         self.geometry = image.PatchGeometry(
@@ -69,6 +93,7 @@ class Preprocessor:
         *,
         limits: MediaLimits | None = None,
         modalities: Sequence[MediaKind] | None = None,
+        bounded_text: bool = True,
     ) -> Preprocessor:
         model_dir = Path(model_dir)
         config = config or ModelConfig.from_dir(model_dir)
@@ -84,6 +109,7 @@ class Preprocessor:
                 processor_config=processor_config,
                 limits=limits,
                 modalities=modalities,
+                bounded_text=bounded_text,
             )
         except ValueError as e:  # a processor setting this implementation does not reproduce
             raise CheckpointError(f"processor_config.json: {e}") from e
@@ -123,6 +149,40 @@ class Preprocessor:
         """The literal prefix for a request's prompt / prompt_name (see `Prompts.resolve`)."""
         return self.prompts.resolve(prompt_name, prompt)
 
+    # ----------------------------------------------------------------------------------- estimate
+
+    def estimate(self, item: Item, options: PrepareOptions) -> int:
+        """What `prepare` will cost this item in tokens, known before anything is decoded or tokenized:
+        text (the prompt included) at one token per character, media from their headers (their exact
+        soft tokens and markers), the whole at most `max_tokens` (longer text is cut).
+
+        Raises what the headers alone already prove: media over a `MediaLimits` limit
+        (InputTooLargeError), media that alone exceed the model's context (InputTooLongError). Anything
+        else (an unreadable header, bad text) is left to `prepare`, which decides.
+        """
+        text = len(options.prompt or "")
+        fixed = len(self.tokenizer.prefix) + len(self.tokenizer.suffix)
+        for part in item.parts:
+            if isinstance(part, TextPart):
+                text += len(part.text)
+            elif part.kind not in self.modalities:
+                continue  # prepare refuses it
+            elif part.kind == "image":
+                budget = options.image_tokens if options.image_tokens in IMAGE_TOKEN_BUDGETS else 0
+                pixels = self.limits.max_image_pixels
+                fixed += image.probe_tokens(part.data, budget, self.geometry, pixels) + 2
+            elif part.kind == "audio":
+                seconds = audio.probe_seconds(part.data)
+                fixed += self.log_mel.soft_tokens(audio.MAX_SECONDS if seconds is None else seconds) + 2
+            else:
+                fixed += video.probe_tokens(part.data, self.video_config, self.geometry, self.limits)
+        if fixed > self.max_tokens:
+            raise InputTooLongError(
+                f"the media of this input alone is {fixed} tokens, more than the model's {self.max_tokens}",
+                param="input",
+            )
+        return min(self.max_tokens, fixed + text)
+
     # ------------------------------------------------------------------------------------ prepare
 
     def prepare(self, item: Item, options: PrepareOptions) -> Prepared:
@@ -137,16 +197,19 @@ class Preprocessor:
         *,
         raise_errors: bool = False,
         executor: Executor | None = None,
+        cancel: Event | None = None,
     ) -> list[Prepared | EG2Error]:
         """Prepare several items, their text tokenized in one call. A failing item gives its error in
         its slot (or raises, with `raise_errors`); the others are unaffected.
 
         `executor`: decode and featurize the media of the items in parallel (PIL, PyAV, soxr and
-        numpy release the GIL for the heavy parts)."""
+        numpy release the GIL for the heavy parts). `cancel`: checked between items and inside the
+        decoders (per video frame, per audio block); once set, the call raises Cancelled."""
 
         def stage(item: Item) -> _Staged | EG2Error:
+            check_cancel(cancel)
             try:
-                return self._stage(item, options)
+                return self._stage(item, options, cancel)
             except EG2Error as e:
                 if raise_errors:
                     raise
@@ -155,6 +218,7 @@ class Preprocessor:
         has_media = any(isinstance(p, MediaPart) for item in items for p in item.parts)
         # Text alone is staged in microseconds: a thread hop per item would cost more than it saves.
         staged = list(executor.map(stage, items) if executor is not None and has_media else map(stage, items))
+        check_cancel(cancel)
         texts = [s.text for s in staged if isinstance(s, _Staged)]
         encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])
         out: list[Prepared | EG2Error] = []
@@ -163,14 +227,14 @@ class Preprocessor:
                 out.append(s)
                 continue
             try:
-                out.append(self._finish(s, next(encoded), options))
+                out.append(self._finish(s, s.head + next(encoded), options))
             except EG2Error as e:
                 if raise_errors:
                     raise
                 out.append(e)
         return out
 
-    def _stage(self, item: Item, options: PrepareOptions) -> _Staged:
+    def _stage(self, item: Item, options: PrepareOptions, cancel: Event | None = None) -> _Staged:
         """Decode and featurize the media, and render the item's string with one placeholder per block."""
         if not item.parts:
             raise InputError("an input item has no parts", param="input")
@@ -182,19 +246,22 @@ class Preprocessor:
         m = self.markers
         prompt = options.prompt or ""
         check_text(prompt, m, param="prompt")
-        s = _Staged(item=item, pieces=[prompt])
+        s = _Staged(item=item, pieces=[(True, prompt)])
         for part in item.parts:
             if isinstance(part, TextPart):
                 check_text(part.text, m)
-                s.pieces.append(part.text)
+                s.pieces.append((True, part.text))
             elif part.kind == "image":
                 rgb = image.decode_image(part.data, max_pixels=self.limits.max_image_pixels)
+                check_cancel(cancel)
                 patched = image.prepare_image(rgb, options.image_tokens, self.geometry)
                 s.images.append(patched)
                 s.soft[m.ids[m.image]].append(patched.num_soft_tokens)
-                s.pieces.append(m.image_block())
+                s.pieces.append((False, m.image_block()))
             elif part.kind == "audio":
-                wave, cut = audio.load_audio(part.data, truncate=options.truncate, limits=self.limits)
+                wave, cut = audio.load_audio(
+                    part.data, truncate=options.truncate, limits=self.limits, cancel=cancel
+                )
                 features, mask = self.log_mel(wave)
                 if not np.isfinite(features).all():  # finite samples so large the spectrum overflows
                     raise InputError("audio sample values are out of range", param="input")
@@ -204,19 +271,75 @@ class Preprocessor:
                 s.audio.append((features, mask))
                 s.audio_truncated |= cut
                 s.soft[m.ids[m.audio]].append(n)
-                s.pieces.append(m.audio_block())
+                s.pieces.append((False, m.audio_block()))
             else:
                 vc = self.video_config
-                sampled = video.decode_video(part.data, vc, self.limits)
+                sampled = video.decode_video(
+                    part.data, vc, self.limits, geometry=self.geometry, cancel=cancel
+                )
                 patched = video.prepare_frames(sampled.frames, vc.budget, self.geometry)
                 frames = len(sampled.indices)
                 s.videos.append(patched)
                 s.frame_counts.append(frames)
                 s.timestamps.append(sampled.timestamps)
                 s.soft[m.ids[m.video]].extend([patched.num_soft_tokens] * frames)
-                s.pieces.append(m.video_block(sampled.timestamps if vc.add_timestamps else None, frames))
-        s.text = "".join(s.pieces)
+                block = m.video_block(sampled.timestamps if vc.add_timestamps else None, frames)
+                s.pieces.append((False, block))
+        self._render(s, options)
         return s
+
+    def _render(self, s: _Staged, options: PrepareOptions) -> None:
+        """Set `s.text`, the string left to tokenize, and `s.head`, the ids of its start known in advance.
+
+        Reference path: the whole rendered string. Fast path, the same ids: (1) text past `text_bound`
+        characters (the prompt included) cannot reach the model, whose text tokens are cut at
+        max_tokens: the piece that crosses the bound is cut at the first provable cut point past it
+        (TextTokenizer.cut_point) and later text is dropped (its tokens would be dropped after the
+        first max_tokens ones); media blocks all stay. With truncate off, such an item is refused here:
+        it has more than text_bound / max_token_chars = max_tokens text tokens. (2) The prompt up to its
+        last cut point is tokenized once per prompt (cached) rather than once per item.
+        """
+        if not self.bounded_text:
+            s.text = "".join(piece for _, piece in s.pieces)
+            return
+        budget = self.text_bound
+        kept: list[str] = []
+        cut = False
+        after_text = False  # the last kept piece is text: a cut at 0 would split a run
+        for is_text, piece in s.pieces:
+            if not is_text:
+                kept.append(piece)
+                after_text = False
+                continue
+            if cut or not piece:
+                continue
+            if len(piece) <= budget:
+                kept.append(piece)
+                budget -= len(piece)
+                after_text = True
+                continue
+            if not options.truncate:
+                raise InputTooLongError(
+                    f"input is more than {self.max_tokens} tokens (over {self.text_bound} characters of text); "
+                    "send truncate=true to cut the text",
+                    param="input",
+                )
+            at = 0 if budget == 0 and not after_text else max(budget, 1)
+            if at:
+                at = self.tokenizer.cut_point(piece, at) or min(len(piece), at + CUT_WINDOW)
+            kept.append(piece[:at])
+            cut = True
+        prompt = s.pieces[0][1]
+        if prompt and kept[0] == prompt:  # not cut: its head is every item's
+            head, head_ids = self._prompt_head(prompt)
+            kept[0] = prompt[head:]
+            s.head = list(head_ids)
+        s.text = "".join(kept)
+
+    def _split_prompt(self, prompt: str) -> tuple[int, tuple[int, ...]]:
+        """(h, ids of prompt[:h]) for the prompt's last cut point h: what every item shares."""
+        head = self.tokenizer.last_cut_point(prompt)
+        return head, tuple(self.tokenizer.encode_batch([prompt[:head]])[0]) if head else ()
 
     def _finish(self, s: _Staged, ids: list[int], options: PrepareOptions) -> Prepared:
         input_ids, truncated = expand(
@@ -263,8 +386,11 @@ class _Staged:
     """An item between decoding and tokenization."""
 
     item: Item
-    pieces: list[str]  # the rendered string, piece by piece: prompt, text, one placeholder block per media
-    text: str = ""
+    # The rendered string, piece by piece: (True, prompt), (True, text) per text part, (False, block) per media
+    # part (one placeholder per block; the blocks are special tokens).
+    pieces: list[tuple[bool, str]]
+    text: str = ""  # what is left to tokenize (see Preprocessor._render)
+    head: list[int] = field(default_factory=list)  # ids of the text before `text`, tokenized in advance
     images: list[image.PatchedImages] = field(default_factory=list)
     videos: list[image.PatchedImages] = field(default_factory=list)
     frame_counts: list[int] = field(default_factory=list)

@@ -11,23 +11,33 @@ container's duration.
 Each frame is converted with PyAV's rgb24 conversion (the loader's), resized and patchified exactly as
 images are, with the video budget (70 soft tokens per frame by default).
 
-Safety: the frame size, declared duration and declared frame count are checked against `MediaLimits`
-before decoding; decoding stops after the last sampled frame and checks every decoded frame's size.
+Safety: the frame size, declared duration, declared frame count and the pixels to decode (frame size x
+frames up to the last sampled one) are checked against `MediaLimits` before decoding; decoding stops
+after the last sampled frame and checks every decoded frame's size.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from threading import Event
 from typing import Any
 
 import numpy as np
 import torch
 
-from eg2_runtime.errors import InputTooLargeError, MediaDecodeError
+from eg2_runtime.errors import Cancelled, InputTooLargeError, MediaDecodeError, check_cancel
+from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.preprocess import containers
-from eg2_runtime.preprocess.image import PatchedImages, PatchGeometry, patchify, resize_uint8, target_size
-from eg2_runtime.preprocess.limits import MediaLimits, reason
+from eg2_runtime.preprocess.image import (
+    PatchedImages,
+    PatchGeometry,
+    patchify,
+    resize_uint8,
+    soft_tokens,
+    target_size,
+)
+from eg2_runtime.preprocess.limits import reason
 
 _FORMATS = {containers.MP4, containers.MATROSKA}  # mp4 / mov / m4v, and mkv / webm
 
@@ -80,8 +90,22 @@ def sample_indices(meta: VideoMetadata, config: VideoConfig) -> np.ndarray:
     return indices
 
 
-def decode_video(data: bytes, config: VideoConfig, limits: MediaLimits) -> SampledVideo:
-    """Check the container's metadata against `limits`, then decode only up to the last sampled frame."""
+def decode_video(
+    data: bytes,
+    config: VideoConfig,
+    limits: MediaLimits,
+    *,
+    geometry: PatchGeometry | None = None,
+    cancel: Event | None = None,
+) -> SampledVideo:
+    """Check the container's metadata against `limits`, then decode only up to the last sampled frame.
+
+    `geometry`: resize each sampled frame to its patch size (`target_size` for the video budget) as it
+    is decoded, instead of returning it at full size: 32 frames of 4K are 796 MB as RGB, 15 MB
+    resized. The same kernel on one frame at a time gives the same pixels as on the stack
+    (`prepare_frames` then has nothing left to resize). `cancel`: checked per decoded frame; raises
+    Cancelled once set.
+    """
     from av.video.reformatter import VideoReformatter  # PyAV only where video is served
 
     try:
@@ -93,12 +117,15 @@ def decode_video(data: bytes, config: VideoConfig, limits: MediaLimits) -> Sampl
             wanted = sample_indices(meta, config)
             keep = set(wanted.tolist())
             last = int(wanted.max())
+            check_decode_cost(meta, last, limits)
+            size = None if geometry is None else target_size(meta.height, meta.width, config.budget, geometry)
             frames: list[np.ndarray] = []
             indices: list[int] = []
             # One converter per stream: `frame.to_ndarray(format=...)` builds a new swscale context
             # for every frame (an 8-frame clip: 15.4 -> 3.0 ms on the dev machine). Same pixels.
             to_rgb, rescale = VideoReformatter(), VideoReformatter()
             for i, frame in enumerate(container.decode(stream)):
+                check_cancel(cancel)
                 if i > last:
                     break
                 if frame.width * frame.height > limits.max_video_frame_pixels:
@@ -110,9 +137,10 @@ def decode_video(data: bytes, config: VideoConfig, limits: MediaLimits) -> Sampl
                         # A mid-stream size change: scale to the declared size so the frames stack.
                         frame = rescale.reformat(frame, width=meta.width, height=meta.height)
                     # (H, W, 3), as the reference loader's frame.to_ndarray(format="rgb24")
-                    frames.append(to_rgb.reformat(frame, format="rgb24").to_ndarray())
+                    rgb = to_rgb.reformat(frame, format="rgb24").to_ndarray()
+                    frames.append(rgb if size is None else _resized(rgb, size))
                     indices.append(i)
-    except (MediaDecodeError, InputTooLargeError):
+    except (MediaDecodeError, InputTooLargeError, Cancelled):
         raise
     except MemoryError as e:
         raise InputTooLargeError("video is too large to decode", param="input") from e
@@ -127,6 +155,35 @@ def decode_video(data: bytes, config: VideoConfig, limits: MediaLimits) -> Sampl
             param="input",
         )
     return SampledVideo(np.stack(frames), indices, [i / meta.fps for i in indices], meta)
+
+
+def _resized(rgb: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """(H, W, 3) uint8 -> (h, w, 3) uint8, the kernel `prepare_frames` applies to the stack."""
+    x = torch.from_numpy(rgb).permute(2, 0, 1)[None]  # (1, 3, H, W) channels-last view
+    return resize_uint8(x, size)[0].permute(1, 2, 0).contiguous().numpy()
+
+
+def probe_tokens(data: bytes, config: VideoConfig, geometry: PatchGeometry, limits: MediaLimits) -> int:
+    """Tokens this video will take (per sampled frame: its soft tokens and two markers), from container
+    metadata alone (nothing decoded).
+
+    Raises InputTooLargeError where decode_video would refuse the metadata (size, length, frame count,
+    decode cost). Metadata that cannot be read counts as the most a video can take: the decoder has the
+    last word on the file.
+    """
+    try:
+        with containers.open_container(data, _FORMATS, "video", "video") as container:
+            if not container.streams.video:
+                raise MediaDecodeError("no video stream")
+            meta = _metadata(container, container.streams.video[0], limits)
+    except InputTooLargeError:
+        raise
+    except Exception:
+        return config.max_frames * (config.budget + 2)
+    wanted = sample_indices(meta, config)
+    check_decode_cost(meta, int(wanted.max()), limits)
+    frames = len(set(wanted.tolist()))
+    return frames * (soft_tokens(meta.height, meta.width, config.budget, geometry) + 2)
 
 
 def _metadata(container: Any, stream: Any, limits: MediaLimits) -> VideoMetadata:
@@ -162,6 +219,18 @@ def _metadata(container: Any, stream: Any, limits: MediaLimits) -> VideoMetadata
     if seconds > limits.max_video_seconds:
         raise _too_long(seconds, limits)
     return VideoMetadata(total, fps, width, height)
+
+
+def check_decode_cost(meta: VideoMetadata, last: int, limits: MediaLimits) -> None:
+    """Refuse a clip whose decode (every frame up to the last sampled one) would produce more pixels
+    than the limit: decode time follows that product, not the duration alone."""
+    pixels = meta.width * meta.height * (last + 1)
+    if pixels > limits.max_video_decode_pixels:
+        raise InputTooLargeError(
+            f"video is too costly to decode: {last + 1} frames of {meta.width}x{meta.height} = "
+            f"{pixels / 1e9:.1f} billion pixels, the limit is {limits.max_video_decode_pixels / 1e9:g} billion",
+            param="input",
+        )
 
 
 def _too_long(seconds: float, limits: MediaLimits) -> InputTooLargeError:
