@@ -98,3 +98,10 @@ def test_every_relative_markdown_link_resolves(texts: dict[Path, str]) -> None:
             if not resolved.is_relative_to(REPO) or not resolved.exists():
                 broken.append(f"{where(path, text, m.start())}: {m.group(1)}")
     assert not broken, "Markdown links that leave the repository or lead nowhere:\n" + "\n".join(broken)
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """At most 10 KB: what it is and why, the two commands, a call per modality, Docker and links;
+    measurements, tables and history live in docs/."""
+    size = len((REPO / "README.md").read_bytes())
+    assert size <= 10 * 1024, f"README.md is {size:,} bytes: move the detail into docs/"
