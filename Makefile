@@ -31,7 +31,7 @@ test: $(STAMP)
 ##   PYTHONPATH=/tmp/site:$$PWD make test-gpu
 RESULTS ?= out
 test-gpu:
-	python3 -m pytest -m gpu -q -s --results $(RESULTS) tests/test_gpu.py
+	python3 -m pytest -m gpu -q -s --results $(RESULTS) tests/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check app eg2_runtime benchmarks scripts tests docker

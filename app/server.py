@@ -125,7 +125,7 @@ M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 16 << 20
 # glibc malloc arenas. By default a thread that finds the arenas busy gets a new one (up to 8 per
 # core), and each keeps its freed memory: the service's threads (event loop, preprocessing, GPU,
-# torch's) made the RSS jump by 60-100 MB at random points of tests/test_reliability_load.py's
+# torch's) made the RSS jump by 60-100 MB at random points of tests/reliability/test_reliability_load.py's
 # measured phase (+4.5% to +8.7% in a fresh venv; within +-0.4% in 5 runs with 2 arenas). The
 # cost is threads sharing 2 arenas' locks, in a process whose heavy work holds the GIL or runs in
 # torch's own allocator. MALLOC_ARENA_MAX in the environment still wins.
@@ -139,7 +139,7 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     glibc starts at 128 KiB and, each time an mmapped block is freed, raises the threshold to that
     block's size (up to 32 MiB). After warm-up's full batches, activations of every later size come
     from the heap, whose freed space fragments and is rarely returned: under varied batch shapes the
-    RSS crept up 4-15% over a few thousand requests (tests/test_reliability_load.py). Fixed at 16 MiB,
+    RSS crept up 4-15% over a few thousand requests (tests/reliability/test_reliability_load.py). Fixed at 16 MiB,
     big blocks keep their own mappings and go back to the OS when freed; small ones stay on the heap.
     """
     try:

@@ -4,7 +4,7 @@
 
 For each shape: the allocator's peak above what was allocated before (eager forwards), and the
 reserved memory a fresh CUDA graph pool takes to capture one bucket (graphs), per token or per patch
-slot. memory_plan.ActivationCosts is checked against these (tests/test_memory_plan.py cites them).
+slot. memory_plan.ActivationCosts is checked against these (tests/runtime/test_memory_plan.py cites them).
 Writes costs.json into DIR.
 """
 

@@ -1,5 +1,5 @@
 """The batcher's max_queue_delay_ms, 0 against 2 (the default): latency and throughput of single-text
-requests at 1, 8 and 32 concurrent clients, against the real app serving tests/fake_engine.py's
+requests at 1, 8 and 32 concurrent clients, against the real app serving tests/support/fake_engine.py's
 engine whose GPU step sleeps 4 ms (the GIL released, as a CUDA sync does).
 
     python -m benchmarks.queue_delay       (from the repository root)

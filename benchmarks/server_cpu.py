@@ -1,4 +1,4 @@
-"""The service's own CPU per request and per item: the real app serving tests/fake_engine.py's engine
+"""The service's own CPU per request and per item: the real app serving tests/support/fake_engine.py's engine
 (no model time), driven from this process; server CPU seconds (from /proc) over what it answered.
 
     python -m benchmarks.server_cpu        (from the repository root; figures for this machine only)

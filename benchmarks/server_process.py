@@ -2,7 +2,7 @@
 
 Used by the (d) configurations of `eg2 bench`, by benchmarks/scale.py, by the service-side scripts
 (server_cpu.py, queue_delay.py, gc_pauses.py) and by tests that need a real `eg2 serve` / `eg2
-serve-ray`. The service-side scripts serve tests/fake_engine.py's engine (no model time), so what
+serve-ray`. The service-side scripts serve tests/support/fake_engine.py's engine (no model time), so what
 they measure is the server's own cost.
 """
 
@@ -39,12 +39,17 @@ def serve_command(*flags: str) -> list[str]:
 def fake_engine_server(
     port: int, embed_delay_s: float = 0.0, **settings: str
 ) -> tuple[list[str], dict[str, str]]:
-    """(command, environment) of the real app serving tests/fake_engine.py's engine, whose GPU step
+    """(command, environment) of the real app serving tests/support/fake_engine.py's engine, whose GPU step
     sleeps `embed_delay_s` with the GIL released (as a CUDA sync does). `settings`: EG2_* values."""
     env = {**os.environ, "EG2_HOST": "127.0.0.1", "EG2_PORT": str(port), "EG2_LOG_LEVEL": "warning"}
     env |= {f"EG2_{k.upper()}": v for k, v in settings.items()}
     env.pop("EG2_API_KEY", None)
-    return [sys.executable, str(ROOT / "tests" / "fake_engine.py"), "--embed-delay", str(embed_delay_s)], env
+    return [
+        sys.executable,
+        str(ROOT / "tests" / "support" / "fake_engine.py"),
+        "--embed-delay",
+        str(embed_delay_s),
+    ], env
 
 
 def cpu_seconds(pid: int) -> float:

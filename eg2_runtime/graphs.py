@@ -13,7 +13,7 @@ buckets, not the batches. Pad rows and columns are zero embeddings marked invali
 attention masks hide them as keys and pooling skips them, so valid rows see exactly what they would
 unpadded. Padding changes only which attention kernel runs (masked instead of mask-free), which
 moves BF16 results by rounding only (H200: cosine >= 0.9999998 against the same kernels run
-eagerly); tests/test_engine_fast_paths.py and the GPU suite hold both paths together.
+eagerly); tests/runtime/test_engine_fast_paths.py and the GPU suite hold both paths together.
 
 Assumes one caller thread (the engine's) and a CUDA device. Every graph shares one memory pool (with
 the tower graphs, tower_graphs.py) and one set of input buffers; replays never overlap, and each

@@ -10,7 +10,7 @@ written as x / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh u) is the logist
 no tanh that runs in its CPU interpreter, and this form does not cancel in the negative tail, where
 torch's 1 + tanh(u) does. Rounded as the reference rounds in BF16: gelu(gate), then the product.
 The two agree to a few fp32 ulps, so a BF16 output now and then lands one step away
-(tests/test_mlp_triton.py, in Triton's CPU interpreter).
+(tests/runtime/test_mlp_triton.py, in Triton's CPU interpreter).
 """
 
 from __future__ import annotations

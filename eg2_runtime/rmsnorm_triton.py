@@ -12,7 +12,7 @@ weight, rounded once to the output dtype. Only the order of the additions in the
 tree per row here), so results agree to float rounding, not bit for bit: a BF16 output now and then
 lands one step away, which a random-weight model amplifies about as much as BF16 itself does
 (test_gpu.py holds the fast path to the BF16 reference's own distance from FP32).
-tests/test_rmsnorm_triton.py runs the kernels in Triton's CPU interpreter.
+tests/runtime/test_rmsnorm_triton.py runs the kernels in Triton's CPU interpreter.
 """
 
 from __future__ import annotations

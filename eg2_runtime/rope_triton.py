@@ -15,7 +15,7 @@ reference's tables do.
 Rounding, the reference's exactly: the norm in fp32 rounded to the output dtype (transformers rounds
 it before the rotation, and so does the unfused path), then x * cos, rotate_half(x) * sin and their
 sum each rounded as torch's BF16 ops round them. Only the norm's mean adds in another order, so the
-two paths agree bit for bit where the norm does (tests/test_rope_triton.py, in Triton's CPU
+two paths agree bit for bit where the norm does (tests/runtime/test_rope_triton.py, in Triton's CPU
 interpreter).
 """
 

@@ -4,7 +4,7 @@ scales and writes the BF16 weight straight into the Unpacker's scratch buffer.
 The reference (pure torch) materialises int32, int8 and fp32 copies of the whole weight on the way,
 about ten times the bytes and ten launches; this reads 0.5 B and writes 2 B per weight, once. The
 arithmetic is the reference's: the exact fp32 product q * scale, rounded once to BF16, so the two
-agree bit for bit (tests/test_unpack_triton.py runs the kernel in Triton's CPU interpreter).
+agree bit for bit (tests/runtime/test_unpack_triton.py runs the kernel in Triton's CPU interpreter).
 """
 
 from __future__ import annotations

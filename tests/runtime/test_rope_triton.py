@@ -1,0 +1,68 @@
+"""The fused per-head RMSNorm + RoPE kernel (rope_triton.py) against the reference path it stands for:
+vision.apply_axial_rope(RMSNorm(x)) for the vision tower's q and k, and layers.apply_rope(RMSNorm(x))
+for one rotated section, in Triton's CPU interpreter.
+
+Tolerances as in tests/runtime/test_rmsnorm_triton.py: FP32 within 1e-6 of each row's scale; BF16 within
+one BF16 step and at most 1% of outputs different (the kernel rounds the norm, both products and
+their sum as torch does, so only the norm's reordered mean can move an output). Shapes: head_dim 16
+(the tiny checkpoint), 64 (vision), 128 and a non-power of two; token and head counts no block
+divides; padding patches (position -1, all-zero rows).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.support.triton_interpreter import assert_ok_in_interpreter
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from eg2_runtime.layers import RMSNorm, apply_rope, rope_cos_sin
+    from eg2_runtime.rope_triton import rms_norm_rope
+    from eg2_runtime.vision import apply_axial_rope, axial_rope
+    from tests.triton_interpreter import bf16_error, fp32_error
+
+    gen = torch.Generator().manual_seed(0)
+
+    def check(what, got, ref):
+        assert got.shape == ref.shape and got.dtype == ref.dtype, (what, got.shape, got.dtype, ref.dtype)
+        if ref.dtype == torch.float32:
+            err = fp32_error(got, ref)
+            assert err <= 1e-6, (what, "fp32", err)
+        else:
+            steps, differ = bf16_error(got, ref)
+            assert steps <= 1 and differ <= 0.01, (what, "bf16 steps", steps, "differ", differ)
+
+    for (n, s, heads, hd), scale in [
+        ((3, 37, 5, 64), True), ((2, 45, 12, 64), False), ((3, 37, 5, 128), True),
+        ((2, 41, 4, 16), True), ((2, 13, 3, 24), True),
+    ]:
+        norm = RMSNorm(hd, eps=1e-6, with_scale=scale)
+        if scale:
+            norm.weight.data = torch.randn(hd, generator=gen)
+        x = torch.randn(n, s, heads, hd, generator=gen) * 4
+        positions = torch.randint(0, 60, (n, s, 2), generator=gen)
+        positions[0, -7:] = -1  # padding patches: zero rows, the position the vision tower gives them
+        x[0, -7:] = 0
+        x[-1, 0] *= 1e-3  # eps weighs on these rows
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            cos, sin = axial_rope(positions, hd, 100.0, dtype)
+            got = rms_norm_rope(xd, norm.weight, norm.eps, cos, sin, 2)
+            check(((n, s, heads, hd), scale, dtype, "axial"), got, apply_axial_rope(norm.reference(xd), cos, sin))
+            cos1, sin1 = rope_cos_sin(positions[..., 0], hd, 10_000.0, dtype)  # (n, s, hd)
+            got = rms_norm_rope(xd, norm.weight, norm.eps, cos1, sin1, 1)
+            ref = apply_rope(norm.reference(xd), cos1[:, :, None], sin1[:, :, None])
+            check(((n, s, heads, hd), scale, dtype, "1-D"), got, ref)
+    print("ok")
+    """
+)
+
+
+def test_triton_rms_norm_rope_matches_reference() -> None:
+    assert_ok_in_interpreter(SCRIPT)

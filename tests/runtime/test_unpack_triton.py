@@ -1,0 +1,38 @@
+"""The fused Triton unpack kernel equals the reference dequantization bit for bit.
+
+The kernel runs in Triton's CPU interpreter here (TRITON_INTERPRET=1 must be set before triton is
+imported, hence the subprocess); tests/gpu/test_gpu.py repeats the check on every layer on the GPU.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.support.triton_interpreter import assert_ok_in_interpreter
+
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from eg2_runtime.quant import dequantize, quantize
+    from eg2_runtime.unpack_triton import dequantize_into
+
+    gen = torch.Generator().manual_seed(0)
+    # Shapes with a partial last block (768 inputs = 96 words) and each group size.
+    for rows, cols, group in [(64, 768, 32), (48, 1536, 128), (16, 4096, 128), (33, 256, 64)]:
+        w = torch.randn(rows, cols, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
+        packed, scale = quantize(w, group)
+        out = torch.full((rows, cols), float("nan"), dtype=torch.bfloat16)
+        dequantize_into(packed, scale, out)
+        ref = dequantize(packed, scale)
+        assert torch.equal(out, ref), (rows, cols, group, (out.float() - ref.float()).abs().max())
+    print("ok")
+    """
+)
+
+
+def test_triton_kernel_is_bit_identical_to_reference() -> None:
+    assert_ok_in_interpreter(SCRIPT)
