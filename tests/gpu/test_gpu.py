@@ -92,7 +92,7 @@ PARITY_INPUTS = {
 def test_packed_bf16_matches_reference(full: dict[str, Path], results: Path | None) -> None:
     """Cosine against the BF16 reference (the target), and both against the FP32 reference, which
     tells whose rounding a gap comes from."""
-    from tests.reference import load_reference
+    from tests.support.reference import load_reference
 
     ref16 = load_reference(full["w4"], dtype=torch.bfloat16, device="cuda", dequantize=True)
     ref32 = load_reference(full["w4"], dtype=torch.float32, device="cuda", dequantize=True)

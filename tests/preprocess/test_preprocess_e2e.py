@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def reference(tiny_fp32: Path) -> Any:
-    from tests.reference import load_reference
+    from tests.support.reference import load_reference
 
     return load_reference(tiny_fp32, dtype=torch.float32)
 

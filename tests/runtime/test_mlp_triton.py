@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import torch
     import torch.nn.functional as F
     from eg2_runtime.mlp_triton import gelu_tanh_mul
-    from tests.triton_interpreter import bf16_error, fp32_error
+    from tests.support.triton_interpreter import bf16_error, fp32_error
 
     gen = torch.Generator().manual_seed(0)
     for shape, spread in [((3, 7, 3072), 1.0), ((5, 301), 3.0), ((2, 9, 128), 10.0)]:

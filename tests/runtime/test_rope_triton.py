@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     from eg2_runtime.layers import RMSNorm, apply_rope, rope_cos_sin
     from eg2_runtime.rope_triton import rms_norm_rope
     from eg2_runtime.vision import apply_axial_rope, axial_rope
-    from tests.triton_interpreter import bf16_error, fp32_error
+    from tests.support.triton_interpreter import bf16_error, fp32_error
 
     gen = torch.Generator().manual_seed(0)
 

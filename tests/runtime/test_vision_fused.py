@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
     from eg2_runtime.loader import load_model
     from eg2_runtime.tools import samples
     from eg2_runtime.vision import VisionAttention, VisionLayer
-    from tests.triton_interpreter import fp32_error
+    from tests.support.triton_interpreter import fp32_error
 
     fp32_dir, bf16_dir = sys.argv[1], sys.argv[2]
     items = [

@@ -131,7 +131,8 @@ def test_media_via_extra_body(oai: openai.OpenAI, engine: Engine) -> None:
 def test_usage_is_the_reference_processors_token_count(client: httpx.Client, tiny_bf16: Path) -> None:
     """Not our own count checked against itself: transformers' processor counts the same tokens."""
     from PIL import Image
-    from tests.reference import load_reference
+
+    from tests.support.reference import load_reference
 
     reference = load_reference(tiny_bf16)
     wave, rate = sf.read(io.BytesIO(WAV), dtype="float32")
