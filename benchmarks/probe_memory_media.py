@@ -32,11 +32,11 @@ MEM = ProcessGpuMemory()  # before torch touches CUDA: the fallback's baseline e
 
 import torch  # noqa: E402
 
+from eg2_runtime import samples  # noqa: E402
 from eg2_runtime.api import PreparedItem  # noqa: E402
 from eg2_runtime.engine import Engine, EngineOptions  # noqa: E402
 from eg2_runtime.graphs import GraphedTextEncoder  # noqa: E402
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart  # noqa: E402
-from eg2_runtime.tools import samples  # noqa: E402
 from eg2_runtime.tools.demo_model import write_demo_model  # noqa: E402
 from eg2_runtime.tools.quantize import quantize_checkpoint  # noqa: E402
 from eg2_runtime.tower_graphs import GraphedTowers  # noqa: E402

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
 from app.bench_scale import running
-from eg2_runtime.tools import samples
+
+from eg2_runtime import samples
 
 
 def server_mib(pid: int) -> float | None:

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from eg2_runtime import samples
 from eg2_runtime.errors import CheckpointError
 from eg2_runtime.inputs import Item, MediaKind, MediaPart, PrepareOptions, TextPart
-from eg2_runtime.tools import samples
 
 if TYPE_CHECKING:  # the HTTP client processes unpickle inputs without importing torch
     from eg2_runtime.preprocess import Preprocessor

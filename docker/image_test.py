@@ -41,7 +41,7 @@ HELPER = """
 import importlib.util, json, os, shutil, stat
 from pathlib import Path
 import torch
-from eg2_runtime.tools import samples
+from eg2_runtime import samples
 from eg2_runtime.tools.demo_model import write_demo_model
 
 write_demo_model(Path("/work/model"), size="tiny")

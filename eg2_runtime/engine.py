@@ -316,7 +316,7 @@ class Engine:
     def _warmup_items(self) -> dict[str, tuple[Item, PrepareOptions]]:
         """The costliest valid item of each loaded modality (built only for those: a text-only server
         warms up without PyAV or media)."""
-        from eg2_runtime.tools import samples
+        from eg2_runtime import samples
 
         longest = max(IMAGE_TOKEN_BUDGETS)
         biggest: dict[str, Callable[[], tuple[Item, PrepareOptions]]] = {

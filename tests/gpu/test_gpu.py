@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
+from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
-from eg2_runtime.tools import samples
 from eg2_runtime.tools.demo_model import write_demo_model
 from eg2_runtime.tools.quantize import quantize_checkpoint
 from tests.runtime.test_runtime_parity import smooth_image, tone, video

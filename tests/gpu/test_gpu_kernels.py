@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.fused import use_fused_kernels
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions
-from eg2_runtime.tools import samples
 from eg2_runtime.tools.demo_model import write_demo_model
 from eg2_runtime.tools.quantize import quantize_checkpoint
 from eg2_runtime.tower_graphs import GraphedTowers

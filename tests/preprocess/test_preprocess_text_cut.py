@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, normalizers, pre_tokenizers, trainers
 from tokenizers.models import BPE
 
+from eg2_runtime import samples
 from eg2_runtime.errors import InputTooLongError
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.preprocess import Preprocessor
 from eg2_runtime.preprocess.text import CUT_WINDOW, TextTokenizer
-from eg2_runtime.tools import samples
 
 WORDS = [
     "the",

@@ -37,9 +37,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.batcher import JOIN_TIMEOUT_S, Batcher
 from app.metrics import Metrics
 from app.service import State
+from eg2_runtime import samples
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
-from eg2_runtime.tools import samples
 from tests.support.fake_engine import TORCH_BUSY, FakeEngine, LiveServer, assert_error, live, make_settings
 from tests.support.load import Request, Serve, free_port, run, text_requests
 from tests.support.serve_forks import Forks

@@ -30,9 +30,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from eg2_runtime import samples
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
-from eg2_runtime.tools import samples
 from tests.support import media
 from tests.support.fake_engine import (
     LiveServer,

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from eg2_runtime import samples
 from eg2_runtime.api import matryoshka
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
-from eg2_runtime.tools import samples
 from tests.support.load import LoadResult, Request, Serve, run
 
 CONCURRENCY = 128

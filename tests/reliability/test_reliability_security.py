@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eg2_runtime.tools import samples
+from eg2_runtime import samples
 from tests.service.test_app_contract import ERROR_CASES
 from tests.service.test_app_docker import DOCKERFILE, instructions
 from tests.support import media

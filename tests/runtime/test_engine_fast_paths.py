@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, GraphedTextEncoder
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
 from eg2_runtime.model import pool
-from eg2_runtime.tools import samples
 
 TOL = 1e-5  # FP32 on the CPU: padding must not move a valid row beyond float rounding
 

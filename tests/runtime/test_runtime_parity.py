@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
+from eg2_runtime import samples
 from eg2_runtime.loader import load_model
 from eg2_runtime.model import EG2Model
-from eg2_runtime.tools import samples
 from tests.support.reference import Reference, load_reference
 
 TOL = 1e-5

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
-from eg2_runtime.tools import samples
 from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers
 
 TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent(
     from eg2_runtime.fused import use_fused_kernels
     from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
     from eg2_runtime.loader import load_model
-    from eg2_runtime.tools import samples
+    from eg2_runtime import samples
     from eg2_runtime.vision import VisionAttention, VisionLayer
     from tests.support.triton_interpreter import fp32_error
 

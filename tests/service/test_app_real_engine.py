@@ -20,10 +20,10 @@ import openai
 import pytest
 import soundfile as sf
 
+from eg2_runtime import samples
 from eg2_runtime.api import matryoshka
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
-from eg2_runtime.tools import samples
 from tests.service.test_app_contract import ERROR_CASES
 from tests.support.fake_engine import (
     LiveServer,

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 
 from app import cli
 from app.settings import Settings, env_name, flag_name, markdown_table, settings_page
+from eg2_runtime import samples
 from eg2_runtime.inputs import MediaLimits
-from eg2_runtime.tools import samples
 
 REPO = Path(__file__).resolve().parents[2]
 
