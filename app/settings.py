@@ -266,6 +266,42 @@ class Settings(BaseSettings):
         "billion pixels, 17 s of CPU on the dev machine; the default allows 60 s of 1080p at 30 fps. Lower "
         "bounds decode time per video more tightly; higher accepts longer high-resolution clips.",
     )
+    max_segment_audio_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Longest audio a request with `segments` may send (from its header before decoding, and "
+        "while decoding); more gets 413. Such audio is decoded whole, once, a span at a time (memory holds "
+        "one span), and each span is a GPU item: an hour in 10 s spans is 360 items. Decoding and featurizing "
+        "an hour of audio takes ~10-20 s of one core, so raise request_timeout_s with it. Lower bounds how "
+        "long one request may hold a decoding thread.",
+    )
+    max_segment_video_seconds: float = Field(
+        default=1800.0,
+        gt=0,
+        description="Longest video a request with `segments` may send (from container metadata, before "
+        "decoding); more gets 413. Every frame of such a video is decoded, once, and frames are sampled "
+        "per span (1 fps, at most 32 a span); the decode cost is bounded by "
+        "max_segment_video_decode_pixels. Raise request_timeout_s with it: decoding long videos takes "
+        "minutes of one core.",
+    )
+    max_segment_video_decode_pixels: int = Field(
+        default=120_000_000_000,
+        ge=1,
+        description="Most pixels decoding one video with `segments` may produce: frame width x height x all "
+        "its frames, from container metadata before decoding; more gets 413. The default allows 30 minutes "
+        "of 1080p at 30 fps (112 billion pixels, about 2 minutes of one core of the dev machine at ~1.1 ns "
+        "a pixel). Lower bounds decode time per request more tightly; higher accepts longer or larger "
+        "videos with segments.",
+    )
+    max_request_segments: int = Field(
+        default=512,
+        ge=1,
+        description="Most segments one request may ask for, all its items together, estimated before "
+        "decoding (media from their headers, text at one token per character) and counted again as they "
+        "are cut; more gets 413. Each segment is one more item in the admission limit and the GPU "
+        "batches, and one more vector in the response (a 768-float vector is ~8 kB of JSON). Larger lets "
+        "one request embed longer media in shorter spans.",
+    )
     request_timeout_s: float = Field(
         default=60.0,
         gt=0,
@@ -391,6 +427,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"max_request_items ({self.max_request_items}) must not exceed max_queued_items "
                 f"({self.max_queued_items}): such a request could never be admitted"
+            )
+        if self.max_request_segments > self.max_queued_items:
+            raise ValueError(
+                f"max_request_segments ({self.max_request_segments}) must not exceed max_queued_items "
+                f"({self.max_queued_items}): each segment is an item in flight"
             )
         if self.min_audio_rate > self.max_audio_rate:
             raise ValueError(

@@ -1,9 +1,11 @@
 """Engine: the runtime's side of the contract in eg2_runtime/api.py (EngineAPI).
 
-    estimate_many(items, options) -> [int, ...] CPU only, thread-safe: each item's tokens from headers
+    estimate_many(items, options) -> [Estimate] CPU only, thread-safe: each item's tokens from headers
     prepare(item, options) -> PreparedItem      CPU only, thread-safe: decode, tokenize, featurize
     prepare_many(items, options) -> [...]       the same for many items: media decoded on a thread
                                                 pool, all text tokenized in one call
+    prepare_segments(item, options) -> stream   an item with spans, a span at a time, one decode pass
+    tokenize_many(items, options) -> [...]      what each item costs (usage), by the same preparing
     embed([PreparedItem, ...]) -> (B, 768) f32  the accelerator; call from exactly one thread
     warm_up / capture_graphs                    at boot, on that same thread
 
@@ -21,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import eg2_runtime
-from eg2_runtime.api import EngineMemory, PreparedItem
+from eg2_runtime.api import EngineMemory, Estimate, PreparedItem, SegmentStream, Span, TokenCount
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.fused import use_fused_kernels
 from eg2_runtime.gpu_memory import ProcessGpuMemory, set_cuda_stack_limit
@@ -273,10 +275,10 @@ class Engine:
         prepared = self.preprocessor.prepare(item, options)
         return _wrap(prepared)
 
-    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]:
+    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[Estimate | EG2Error]:
         """Each item's cost in tokens before anything is decoded (`Preprocessor.estimate`: headers only),
         or the error its headers already prove, in its slot. Thread-safe; milliseconds per video."""
-        out: list[int | EG2Error] = []
+        out: list[Estimate | EG2Error] = []
         for item in items:
             try:
                 out.append(self.preprocessor.estimate(item, options))
@@ -296,6 +298,42 @@ class Engine:
         executor = self._executor() if len(items) > 1 else None
         out = self.preprocessor.prepare_batch(items, options, executor=executor, cancel=cancel)
         return [p if isinstance(p, EG2Error) else _wrap(p) for p in out]
+
+    def prepare_segments(
+        self, item: Item, options: PrepareOptions, cancel: threading.Event | None = None
+    ) -> SegmentStream:
+        """An item with spans (`Item.span_unit`) as a stream of PreparedItems, each with its `span`
+        (None: the item itself), a step at a time (`Preprocessor.prepare_segments`). Nothing is decoded
+        before the first `next()`; `cancel` stops the decoding within a block or a frame."""
+        steps = self.preprocessor.prepare_segments(item, options, cancel)
+        return SegmentStream([_wrap(p, span) for span, p in step] for step in steps)
+
+    def tokenize_many(
+        self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
+    ) -> list[TokenCount | EG2Error]:
+        """What each item would cost an embeddings request (its `usage`), from the same preparing that
+        request runs (`prepare_many`, `prepare_segments`), without the model: tokens, whether anything
+        was cut, a text item's ids, each media part's tokens, each span's tokens."""
+        plain = [i for i, item in enumerate(items) if item.span_unit is None]
+        out: list[TokenCount | EG2Error | None] = [None] * len(items)
+        prepared = self.prepare_many([items[i] for i in plain], options, cancel) if plain else []
+        for i, p in zip(plain, prepared, strict=True):
+            out[i] = p if isinstance(p, EG2Error) else token_count(items[i], [p])
+        for i, item in enumerate(items):
+            if item.span_unit is None:
+                continue
+            stream = self.prepare_segments(item, options, cancel)
+            try:
+                parts: list[PreparedItem] = []
+                while (step := stream.next()) is not None:
+                    # Counted and dropped a step at a time: the tensors of a long file never pile up.
+                    parts.extend(p if p.span is None else replace(p, inputs=None) for p in step)
+                out[i] = token_count(item, parts)
+            except EG2Error as e:
+                out[i] = e
+            finally:
+                stream.close()
+        return [o for o in out if o is not None]
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -541,8 +579,25 @@ def _fuse_norms(model: EG2Model) -> None:
         log.warning("fused kernels unavailable (%s); using the reference paths", e)
 
 
-def _wrap(prepared: Prepared) -> PreparedItem:
-    return PreparedItem(prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared)
+def _wrap(prepared: Prepared, span: Span | None = None) -> PreparedItem:
+    return PreparedItem(
+        prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared, span=span
+    )
+
+
+def token_count(item: Item, prepared: Sequence[PreparedItem]) -> TokenCount:
+    """An item's TokenCount from its PreparedItems (the item itself, whose `inputs` it reads, and its
+    spans): `tokens` is their `num_tokens` added up, what the embeddings route reports as `usage`."""
+    whole = next(p for p in prepared if p.span is None)
+    inputs: Prepared = whole.inputs
+    text = all(isinstance(part, TextPart) for part in item.parts)
+    return TokenCount(
+        tokens=sum(p.num_tokens for p in prepared),
+        truncated=inputs.text_truncated or inputs.audio_truncated,
+        ids=tuple(inputs.input_ids.tolist()) if text else None,
+        parts=tuple(inputs.media_tokens),
+        spans=tuple((p.span, p.num_tokens) for p in prepared if p.span is not None),
+    )
 
 
 def collate(items: Sequence[Prepared], pad_id: int, pin: bool = False) -> dict[str, torch.Tensor]:

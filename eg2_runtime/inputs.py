@@ -1,7 +1,8 @@
 """What a client asks to embed, before any decoding: plain data, no tensors.
 
 An `Item` is one embedding: an ordered tuple of parts (text and media, interleaved as the client
-sent them). The service builds Items from requests; `Engine.prepare` turns one into model inputs.
+sent them), and optionally `Segments`: one more embedding per span of a single text, audio or video
+part. The service builds Items from requests; `Engine.prepare` turns one into model inputs.
 `MediaLimits` are the decoding limits the service hands the engine (built from its Settings).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from eg2_runtime.errors import InputError
@@ -34,9 +35,45 @@ class MediaPart:
 Part = TextPart | MediaPart
 
 
+SEGMENT_SECONDS = (2.0, 120.0)  # a span of audio or video: at least 2 s, at most 120 s
+SEGMENT_TOKENS = (64, 8192)  # a span of text: at most the model's context
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Spans of one item to embed each on its own, as if the client had sent each span alone."""
+
+    seconds: float | None = None  # audio and video items: span length in seconds
+    tokens: int | None = None  # text items: at most this many text tokens per span
+    overlap: float = 0.0  # share of a span repeated at the start of the next, in [0, 0.5)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.overlap < 0.5:
+            raise InputError("segments.overlap must be at least 0 and below 0.5", param="segments.overlap")
+        if self.seconds is not None and not SEGMENT_SECONDS[0] <= self.seconds <= SEGMENT_SECONDS[1]:
+            lo, hi = SEGMENT_SECONDS
+            raise InputError(f"segments.seconds must be within {lo:g}-{hi:g}", param="segments.seconds")
+        if self.tokens is not None and not SEGMENT_TOKENS[0] <= self.tokens <= SEGMENT_TOKENS[1]:
+            lo, hi = SEGMENT_TOKENS
+            raise InputError(f"segments.tokens must be within {lo}-{hi}", param="segments.tokens")
+
+
 @dataclass(frozen=True)
 class Item:
     parts: tuple[Part, ...]
+    # Spans to embed too. Applies to an item of one text part (`tokens`) or one audio or video part
+    # (`seconds`); the service sets it only on items sent as a single string or part.
+    segments: Segments | None = None
+
+    @property
+    def span_unit(self) -> float | int | None:
+        """The span length that applies to this item (seconds or tokens), None when it has no spans."""
+        if self.segments is None or len(self.parts) != 1:
+            return None
+        part = self.parts[0]
+        if isinstance(part, TextPart):
+            return self.segments.tokens
+        return self.segments.seconds if part.kind in ("audio", "video") else None
 
     @property
     def modality(self) -> Modality:
@@ -102,9 +139,23 @@ class MediaLimits:
     max_video_frame_pixels: int  # declared width x height of one frame
     max_video_frames: int  # declared frame count
     max_video_decode_pixels: int  # frame pixels x frames decoded to reach the last sampled frame
+    # Items with segments: every frame and sample is decoded, and the model sees them span by span.
+    max_segment_audio_seconds: float  # audio decoded whole, span by span
+    max_segment_video_seconds: float  # declared duration
+    max_segment_video_decode_pixels: int  # frame pixels x every frame
 
     @classmethod
     def unbounded(cls) -> MediaLimits:
         """No limits: for tools and tests on trusted files. A server always passes its own."""
-        n = sys.maxsize
-        return cls(n, n, 1, n, float("inf"), n, n, n)
+        n, inf = sys.maxsize, float("inf")
+        return cls(n, n, 1, n, inf, n, n, n, inf, inf, n)
+
+    def for_segments(self) -> MediaLimits:
+        """The limits a video with segments is checked against: its duration and decode cost under the
+        segment limits; its frame count bounded by those (frames stream through, a span at a time)."""
+        return replace(
+            self,
+            max_video_seconds=self.max_segment_video_seconds,
+            max_video_frames=sys.maxsize,
+            max_video_decode_pixels=self.max_segment_video_decode_pixels,
+        )

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from threading import Event
 from typing import Any
@@ -34,7 +36,7 @@ from eg2_runtime.errors import (
     check_cancel,
 )
 from eg2_runtime.inputs import MediaLimits
-from eg2_runtime.preprocess import containers
+from eg2_runtime.preprocess import containers, segments
 from eg2_runtime.preprocess.limits import reason
 
 SAMPLE_RATE = 16_000
@@ -200,6 +202,82 @@ def load_audio(
     return np.ascontiguousarray(mono[:max_samples]), too_long
 
 
+@dataclass
+class Clip:
+    """A stretch of an item's decoded 16 kHz signal: one of its spans, or the item itself."""
+
+    wave: np.ndarray  # (n,) float32 at 16 kHz
+    start: int  # in samples of the whole signal
+    end: int
+    whole: bool = False  # the item as without segments: its first 30 s
+    cut: bool = False  # whole only: the signal runs on past 30 s
+
+
+def stream_clips(
+    data: bytes,
+    *,
+    seconds: float,
+    overlap: float,
+    limits: MediaLimits,
+    cancel: Event | None = None,
+) -> Iterator[Clip]:
+    """Decode the whole file once, and give each span of `seconds` (preprocess/segments.py, over the
+    16 kHz samples) as soon as it is decoded, then the item itself (its first 30 s, as `load_audio`
+    gives it). Memory: one span and the first 30 s, whatever the file's length. Past
+    `limits.max_segment_audio_seconds`: InputTooLargeError.
+    """
+    size = round(seconds * SAMPLE_RATE)
+    step = segments.step_of(size, overlap)
+    head: list[np.ndarray] = []
+    head_n = 0
+    pending: list[np.ndarray] = []  # samples [kept, received) not yet cut, block by block
+    kept = received = start = 0  # `start`: the next span's first sample
+    last_end = -1
+    for block in _stream_16k(data, limits, cancel):
+        if head_n < MAX_SAMPLES:
+            head.append(block[: MAX_SAMPLES - head_n])
+            head_n += len(head[-1])
+        pending.append(block)
+        received += len(block)
+        while received >= start + size:
+            signal = np.concatenate(pending)  # once per span: blocks may be a few hundred samples
+            yield Clip(signal[start - kept : start - kept + size].copy(), start, start + size)
+            last_end, start = start + size, start + step
+            pending, kept = [signal[start - kept :]], start
+    if received == 0:
+        raise MediaDecodeError("audio has no samples", param="input")
+    if last_end < received:  # the shorter last span
+        signal = np.concatenate(pending)
+        yield Clip(signal[start - kept : received - kept].copy(), start, received)
+    whole = np.ascontiguousarray(np.concatenate(head))
+    yield Clip(whole, 0, len(whole), whole=True, cut=received > MAX_SAMPLES)
+
+
+def _stream_16k(data: bytes, limits: MediaLimits, cancel: Event | None) -> Iterator[np.ndarray]:
+    """The decoded signal as 16 kHz mono float32 blocks, resampled as it streams (soxr keeps its
+    filter state between blocks), at most `max_segment_audio_seconds` of it."""
+    limit = limits.max_segment_audio_seconds
+    resampler: Any = None
+    got = 0
+    for rate, block in _blocks(data, limit + 1.0, limits, cancel):
+        if not np.isfinite(block).all():
+            raise MediaDecodeError("audio contains NaN or infinite samples", param="input")
+        got += len(block)
+        if got > limit * rate:
+            raise InputTooLargeError(
+                f"audio is longer than {limit:g} s, this server's limit for audio with segments "
+                "(max_segment_audio_seconds)",
+                param="input",
+            )
+        if rate != SAMPLE_RATE:
+            if resampler is None:
+                resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+            block = resampler.resample_chunk(block)
+        yield block
+    if resampler is not None:
+        yield resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
+
+
 def probe_seconds(data: bytes) -> float | None:
     """The duration the file declares, from its header alone (nothing decoded); None when it declares
     none or the header cannot be read (the decoder then has the last word on the file)."""
@@ -220,14 +298,37 @@ def _decode(
     data: bytes, max_seconds: float, limits: MediaLimits, cancel: Event | None
 ) -> tuple[np.ndarray, int]:
     """Mono float32 samples at the source rate, at most `max_seconds` of them, and that rate."""
+    rate, chunks = 0, []
+    for block_rate, block in _blocks(data, max_seconds, limits, cancel):
+        rate = block_rate
+        chunks.append(block)
+    if not chunks:
+        raise MediaDecodeError("audio has no samples", param="input")
+    return np.concatenate(chunks), rate
+
+
+def _blocks(
+    data: bytes, max_seconds: float, limits: MediaLimits, cancel: Event | None
+) -> Iterator[tuple[int, np.ndarray]]:
+    """(source rate, (n,) float32 mono block), in order, at most `max_seconds` in all (inf: all of it)."""
     if data[:4] in _SOUNDFILE_MAGIC:
+        blocks = _blocks_soundfile(data, max_seconds, limits, cancel)
         try:
-            return _decode_soundfile(data, max_seconds, limits, cancel)
+            first = next(blocks, None)
         except MediaDecodeError:
             if data[:4] != b"OggS":
                 raise
             # An Ogg codec libsndfile lacks: PyAV reads Ogg too.
-    return _decode_av(data, max_seconds, limits, cancel)
+        else:
+            if first is not None:
+                yield first
+                yield from blocks
+            return
+    yield from _blocks_av(data, max_seconds, limits, cancel)
+
+
+def _budget(max_seconds: float, rate: int) -> int:
+    return math.ceil(max_seconds * rate) if math.isfinite(max_seconds) else sys.maxsize
 
 
 def _check_format(rate: int, channels: int, limits: MediaLimits) -> None:
@@ -244,16 +345,15 @@ def _check_format(rate: int, channels: int, limits: MediaLimits) -> None:
         )
 
 
-def _decode_soundfile(
+def _blocks_soundfile(
     data: bytes, max_seconds: float, limits: MediaLimits, cancel: Event | None
-) -> tuple[np.ndarray, int]:
+) -> Iterator[tuple[int, np.ndarray]]:
     _check_wav_length(data)
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             rate, channels, declared = int(f.samplerate), int(f.channels), int(f.frames)
             _check_format(rate, channels, limits)
-            budget = math.ceil(max_seconds * rate)
-            blocks: list[np.ndarray] = []
+            budget = _budget(max_seconds, rate)
             got = 0
             # Read in blocks, never `frames` at once: the header's frame count is not trusted.
             while got < budget:
@@ -261,8 +361,8 @@ def _decode_soundfile(
                 block = f.read(min(_BLOCK, budget - got), dtype="float32", always_2d=True)  # (n, channels)
                 if len(block) == 0:
                     break
-                blocks.append(block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0])
                 got += len(block)
+                yield rate, block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0]
             if got < min(declared, budget) and declared < _UNKNOWN_FRAMES:
                 # FLAC's STREAMINFO (and the like) promised more frames than the data holds.
                 raise MediaDecodeError(
@@ -276,8 +376,6 @@ def _decode_soundfile(
         raise InputTooLargeError("audio is too large to decode", param="input") from e
     except Exception as e:
         raise MediaDecodeError(f"could not decode audio: {reason(e)}", param="input") from e
-    mono = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.float32)
-    return mono, rate
 
 
 # WAV data-chunk sizes that mean "length unknown" (written by streaming encoders), not a promise.
@@ -311,10 +409,9 @@ def _check_wav_length(data: bytes) -> None:
 _AV_SCALE = {"u8": 1 / 128, "s16": 1 / 32768, "s32": 1 / 2**31, "s64": 1 / 2**63, "flt": 1.0, "dbl": 1.0}
 
 
-def _decode_av(
+def _blocks_av(
     data: bytes, max_seconds: float, limits: MediaLimits, cancel: Event | None
-) -> tuple[np.ndarray, int]:
-    chunks: list[np.ndarray] = []
+) -> Iterator[tuple[int, np.ndarray]]:
     try:
         with containers.open_container(
             data, _AV_FORMATS, "audio", "a WAV, FLAC, OGG, MP3, M4A or WebM file"
@@ -332,13 +429,14 @@ def _decode_av(
                 if rate == 0:
                     rate = int(frame.sample_rate)
                     _check_format(rate, frame.layout.nb_channels, limits)
-                    budget = math.ceil(max_seconds * rate)
+                    budget = _budget(max_seconds, rate)
                 elif frame.sample_rate != rate:
                     raise MediaDecodeError(
                         "could not decode audio: the sample rate changes mid-stream", param="input"
                     )
-                chunks.append(_av_mono(frame, limits))
-                got += len(chunks[-1])
+                mono = _av_mono(frame, limits)
+                got += len(mono)
+                yield rate, mono
                 if got >= budget:
                     break
     except (MediaDecodeError, Cancelled):
@@ -356,7 +454,6 @@ def _decode_av(
                 f"audio file is truncated: {declared:.1f} s declared, {got / rate:.1f} s decoded",
                 param="input",
             )
-    return np.concatenate(chunks), rate
 
 
 def _av_mono(frame: Any, limits: MediaLimits) -> np.ndarray:

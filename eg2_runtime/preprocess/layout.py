@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from eg2_runtime.errors import InputError, InputTooLongError
-from eg2_runtime.inputs import Modality
+from eg2_runtime.inputs import MediaKind, Modality
 from eg2_runtime.preprocess.image import unit_pixels
 
 PIXEL_INPUTS = frozenset({"pixel_values", "pixel_values_videos"})  # uint8 codes until the model runs
@@ -82,6 +82,7 @@ class Prepared:
     text_truncated: bool = False  # text tokens were dropped to fit the 8192-token context
     audio_truncated: bool = False  # some audio was cut at 30 s
     frame_timestamps: list[list[float]] = field(default_factory=list)  # per video: seconds of each frame
+    media_tokens: list[tuple[MediaKind, int]] = field(default_factory=list)  # per media part: tokens it adds
 
     @property
     def num_tokens(self) -> int:

@@ -8,12 +8,14 @@ caller's `MediaLimits`; errors are the runtime's InputError family with client-s
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
+import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from threading import Event
 from typing import Any
@@ -21,11 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from eg2_runtime.api import Estimate, Span
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import (
     CheckpointError,
     EG2Error,
     InputError,
+    InputTooLargeError,
     InputTooLongError,
     ModalityNotLoadedError,
     check_cancel,
@@ -39,7 +43,7 @@ from eg2_runtime.inputs import (
     PrepareOptions,
     TextPart,
 )
-from eg2_runtime.preprocess import audio, image, video
+from eg2_runtime.preprocess import audio, image, segments, video
 from eg2_runtime.preprocess.layout import Markers, Prepared, check_text, expand
 from eg2_runtime.preprocess.text import CUT_WINDOW, MAX_TOKENS, Prompts, TextTokenizer
 
@@ -151,15 +155,56 @@ class Preprocessor:
 
     # ----------------------------------------------------------------------------------- estimate
 
-    def estimate(self, item: Item, options: PrepareOptions) -> int:
-        """What `prepare` will cost this item in tokens, known before anything is decoded or tokenized:
-        text (the prompt included) at one token per character, media from their headers (their exact
-        soft tokens and markers), the whole at most `max_tokens` (longer text is cut).
+    def estimate(self, item: Item, options: PrepareOptions) -> Estimate:
+        """What `prepare` (and `prepare_segments`, for an item with spans) will cost this item in tokens,
+        known before anything is decoded or tokenized: text (the prompt included) at one token per
+        character, media from their headers (their exact soft tokens and markers), the item itself at
+        most `max_tokens` (longer text is cut).
 
         Raises what the headers alone already prove: media over a `MediaLimits` limit
         (InputTooLargeError), media that alone exceed the model's context (InputTooLongError). Anything
         else (an unreadable header, bad text) is left to `prepare`, which decides.
         """
+        unit = item.span_unit
+        part = item.parts[0] if item.parts else None
+        if unit is None or part is None or (isinstance(part, MediaPart) and part.kind not in self.modalities):
+            return Estimate(self._estimate_item(item, options))
+        assert item.segments is not None
+        overlap = item.segments.overlap
+        prompt = len(options.prompt or "")
+        fixed = len(self.tokenizer.prefix) + len(self.tokenizer.suffix)
+        if isinstance(part, TextPart):
+            size = max(1, min(int(unit), self.max_tokens - fixed - prompt))
+            n = segments.count(len(part.text), size, overlap)
+            span_tokens = segments.covered(len(part.text), size, overlap) + n * (fixed + prompt)
+            return Estimate(self._estimate_item(item, options), n, span_tokens)
+        if part.kind == "audio":
+            seconds = audio.probe_seconds(part.data)
+            limit = self.limits.max_segment_audio_seconds
+            if seconds is not None and seconds > limit:
+                raise InputTooLargeError(
+                    f"audio is {seconds:.0f} s long, more than this server's limit of {limit:g} s for "
+                    "audio with segments (max_segment_audio_seconds)",
+                    param="input",
+                )
+            # A duration the header does not declare counts as the most the decoder will take.
+            most = limit if math.isfinite(limit) else audio.MAX_SECONDS
+            length = round(audio.SAMPLE_RATE * (seconds if seconds is not None else most))
+            size = round(audio.SAMPLE_RATE * float(unit))
+            per_span = [
+                self.log_mel.soft_tokens((b - a) / audio.SAMPLE_RATE) + 2 + fixed + prompt
+                for a, b in _first_and_last(length, size, overlap)
+            ]
+            n = segments.count(length, size, overlap)
+            span_tokens = per_span[0] * (n - 1) + per_span[-1]
+            return Estimate(self._estimate_item(item, options), n, span_tokens)
+        whole, spans = video.probe_spans(
+            part.data, self.video_config, self.geometry, self.limits, float(unit), overlap
+        )
+        return Estimate(whole + fixed + prompt, len(spans), sum(spans) + len(spans) * (fixed + prompt))
+
+    def _estimate_item(self, item: Item, options: PrepareOptions) -> int:
+        """The item itself (without its spans), as `estimate` describes."""
         text = len(options.prompt or "")
         fixed = len(self.tokenizer.prefix) + len(self.tokenizer.suffix)
         for part in item.parts:
@@ -236,6 +281,30 @@ class Preprocessor:
 
     def _stage(self, item: Item, options: PrepareOptions, cancel: Event | None = None) -> _Staged:
         """Decode and featurize the media, and render the item's string with one placeholder per block."""
+        s = self._begin(item, options)
+        for part in item.parts:
+            if isinstance(part, TextPart):
+                check_text(part.text, self.markers)
+                s.pieces.append((True, part.text))
+            elif part.kind == "image":
+                rgb = image.decode_image(part.data, max_pixels=self.limits.max_image_pixels)
+                check_cancel(cancel)
+                self._add_image(s, rgb, options)
+            elif part.kind == "audio":
+                wave, cut = audio.load_audio(
+                    part.data, truncate=options.truncate, limits=self.limits, cancel=cancel
+                )
+                self._add_audio(s, wave, cut)
+            else:
+                sampled = video.decode_video(
+                    part.data, self.video_config, self.limits, geometry=self.geometry, cancel=cancel
+                )
+                self._add_video(s, sampled)
+        self._render(s, options)
+        return s
+
+    def _begin(self, item: Item, options: PrepareOptions) -> _Staged:
+        """The checks every item passes before its parts are decoded, and its prompt piece."""
         if not item.parts:
             raise InputError("an input item has no parts", param="input")
         if options.image_tokens not in IMAGE_TOKEN_BUDGETS:
@@ -243,50 +312,148 @@ class Preprocessor:
         for part in item.parts:
             if isinstance(part, MediaPart) and part.kind not in self.modalities:
                 raise ModalityNotLoadedError(f"this server does not embed {part.kind}", param="input")
-        m = self.markers
         prompt = options.prompt or ""
-        check_text(prompt, m, param="prompt")
-        s = _Staged(item=item, pieces=[(True, prompt)])
-        for part in item.parts:
-            if isinstance(part, TextPart):
-                check_text(part.text, m)
-                s.pieces.append((True, part.text))
-            elif part.kind == "image":
-                rgb = image.decode_image(part.data, max_pixels=self.limits.max_image_pixels)
+        check_text(prompt, self.markers, param="prompt")
+        return _Staged(item=item, pieces=[(True, prompt)])
+
+    def _add_image(self, s: _Staged, rgb: np.ndarray, options: PrepareOptions) -> None:
+        m = self.markers
+        patched = image.prepare_image(rgb, options.image_tokens, self.geometry)
+        s.images.append(patched)
+        s.soft[m.ids[m.image]].append(patched.num_soft_tokens)
+        s.pieces.append((False, m.image_block()))
+        s.media_tokens.append(("image", patched.num_soft_tokens + 2))
+
+    def _add_audio(self, s: _Staged, wave: np.ndarray, cut: bool) -> None:
+        """(n,) float32 at 16 kHz, at most 30 s, and whether the source was longer."""
+        m = self.markers
+        features, mask = self.log_mel(wave)
+        if not np.isfinite(features).all():  # finite samples so large the spectrum overflows
+            raise InputError("audio sample values are out of range", param="input")
+        n = audio.num_soft_tokens(mask)
+        if n == 0:
+            raise InputError("audio is too short: it needs at least 10 ms of sound", param="input")
+        s.audio.append((features, mask))
+        s.audio_truncated |= cut
+        s.soft[m.ids[m.audio]].append(n)
+        s.pieces.append((False, m.audio_block()))
+        s.media_tokens.append(("audio", n + 2))
+
+    def _add_video(self, s: _Staged, sampled: video.SampledVideo) -> None:
+        m, vc = self.markers, self.video_config
+        patched = video.prepare_frames(sampled.frames, vc.budget, self.geometry)
+        frames = len(sampled.indices)
+        s.videos.append(patched)
+        s.frame_counts.append(frames)
+        s.timestamps.append(sampled.timestamps)
+        s.soft[m.ids[m.video]].extend([patched.num_soft_tokens] * frames)
+        block = m.video_block(sampled.timestamps if vc.add_timestamps else None, frames)
+        s.pieces.append((False, block))
+        s.media_tokens.append(("video", frames * (patched.num_soft_tokens + 2)))
+
+    # ----------------------------------------------------------------------------------- segments
+
+    def prepare_segments(
+        self, item: Item, options: PrepareOptions, cancel: Event | None = None
+    ) -> Iterator[list[tuple[Span | None, Prepared]]]:
+        """An item with spans (`Item.span_unit`), step by step: each step the spans decoded since the
+        last one, and the item itself (None) with the step that completes it. Each span is prepared as
+        the same request's item of just that span would be; the item itself as without segments, its
+        media past the single-item limits cut where the model must cut them (truncate on).
+
+        Text: every span in one step (spans of at most `tokens` text tokens, `_text_spans`). Audio and
+        video: the file is decoded once, front to back, and each span comes as soon as it is decoded
+        (`audio.stream_clips`, `video.decode_spans`), so memory holds one span, not the file.
+        """
+        unit, part, spec = item.span_unit, item.parts[0], item.segments
+        if unit is None or spec is None:
+            raise InputError("this item has no segments to prepare", param="segments")
+        whole_options = replace(options, truncate=True)
+        self._begin(item, options)
+        if isinstance(part, TextPart):
+            yield self._text_segments(item, part.text, int(unit), spec.overlap, options)
+            return
+        index = 0
+        if part.kind == "audio":
+            size = round(float(unit) * audio.SAMPLE_RATE)
+            for clip in audio.stream_clips(
+                part.data, seconds=float(unit), overlap=spec.overlap, limits=self.limits, cancel=cancel
+            ):
                 check_cancel(cancel)
-                patched = image.prepare_image(rgb, options.image_tokens, self.geometry)
-                s.images.append(patched)
-                s.soft[m.ids[m.image]].append(patched.num_soft_tokens)
-                s.pieces.append((False, m.image_block()))
-            elif part.kind == "audio":
-                wave, cut = audio.load_audio(
-                    part.data, truncate=options.truncate, limits=self.limits, cancel=cancel
-                )
-                features, mask = self.log_mel(wave)
-                if not np.isfinite(features).all():  # finite samples so large the spectrum overflows
-                    raise InputError("audio sample values are out of range", param="input")
-                n = audio.num_soft_tokens(mask)
-                if n == 0:
-                    raise InputError("audio is too short: it needs at least 10 ms of sound", param="input")
-                s.audio.append((features, mask))
-                s.audio_truncated |= cut
-                s.soft[m.ids[m.audio]].append(n)
-                s.pieces.append((False, m.audio_block()))
-            else:
-                vc = self.video_config
-                sampled = video.decode_video(
-                    part.data, vc, self.limits, geometry=self.geometry, cancel=cancel
-                )
-                patched = video.prepare_frames(sampled.frames, vc.budget, self.geometry)
-                frames = len(sampled.indices)
-                s.videos.append(patched)
-                s.frame_counts.append(frames)
-                s.timestamps.append(sampled.timestamps)
-                s.soft[m.ids[m.video]].extend([patched.num_soft_tokens] * frames)
-                block = m.video_block(sampled.timestamps if vc.add_timestamps else None, frames)
-                s.pieces.append((False, block))
+                s = self._begin(item, whole_options)
+                if clip.whole:
+                    self._add_audio(s, clip.wave, clip.cut)
+                    yield [(None, self._finish_one(s, whole_options))]
+                    continue
+                wave = clip.wave[: audio.MAX_SAMPLES]  # a span over 30 s: cut as it would be alone
+                if len(wave) < size and audio.num_soft_tokens(self.log_mel.mask(len(wave))) == 0:
+                    continue  # a last sliver too short to embed (under 10 ms of sound)
+                self._add_audio(s, wave, len(clip.wave) > len(wave))
+                rate = audio.SAMPLE_RATE
+                yield [(Span(index, clip.start / rate, clip.end / rate), self._finish_one(s, whole_options))]
+                index += 1
+            return
+        for plan, sampled in video.decode_spans(
+            part.data,
+            self.video_config,
+            self.limits,
+            seconds=float(unit),
+            overlap=spec.overlap,
+            geometry=self.geometry,
+            cancel=cancel,
+        ):
+            check_cancel(cancel)
+            s = self._begin(item, whole_options)
+            self._add_video(s, sampled)
+            span = None if plan is None else Span(index, plan.start, plan.end)
+            yield [(span, self._finish_one(s, whole_options))]
+            index += plan is not None
+
+    def _finish_one(self, s: _Staged, options: PrepareOptions) -> Prepared:
         self._render(s, options)
-        return s
+        return self._finish(s, s.head + self.tokenizer.encode_batch([s.text])[0], options)
+
+    def _text_segments(
+        self, item: Item, text: str, tokens: int, overlap: float, options: PrepareOptions
+    ) -> list[tuple[Span | None, Prepared]]:
+        """The text item itself and its spans, prepared in one batch (one tokenizer call)."""
+        check_text(text, self.markers)
+        prompt_tokens = len(self.tokenizer.encode_batch([options.prompt])[0]) if options.prompt else 0
+        room = self.max_tokens - len(self.tokenizer.prefix) - len(self.tokenizer.suffix) - prompt_tokens
+        if room < 1:
+            raise InputTooLongError("the prompt leaves no room for text in a segment", param="prompt")
+        bounds = self._text_spans(text, min(tokens, room), overlap)
+        items = [item, *(Item((TextPart(text[a:b]),)) for a, b in bounds)]
+        prepared = self.prepare_batch(items, replace(options, truncate=True), raise_errors=True)
+        spans = [None, *(Span(i, a, b) for i, (a, b) in enumerate(bounds))]
+        return [(span, p) for span, p in zip(spans, prepared, strict=True) if isinstance(p, Prepared)]
+
+    def _text_spans(self, text: str, size: int, overlap: float) -> list[tuple[int, int]]:
+        """[start, end) character spans of `text`, each of at most `size` tokens of its tokenization,
+        cut at token boundaries, the next starting `size * (1 - overlap)` tokens after the last
+        (preprocess/segments.py). Each cut is moved back to the last provable cut point before it
+        (TextTokenizer.cut_point), where the text on either side tokenizes as it does in the whole:
+        then a span alone has exactly the tokens it had in the whole. (Where the tokenizer proves no
+        cut point, the cut stays at the token boundary, and a span alone may tokenize a token or
+        two differently at its edges.) Each span is embedded alone in any case."""
+        starts = [a for a, _ in self.tokenizer.tokenizer.encode(text, add_special_tokens=False).offsets]
+        n, step = len(starts), segments.step_of(size, overlap)
+        out: list[tuple[int, int]] = []
+        first, lo = 0, 0  # the span's first token and its first character
+        while True:
+            if first + size >= n:
+                out.append((lo, len(text)))
+                return out
+            end = self._cut_before(text, lo, starts[first + size])
+            out.append((lo, end))
+            nxt = end if step >= size else self._cut_before(text, lo, starts[first + step])
+            lo = nxt if lo < nxt <= end else end
+            first = bisect.bisect_left(starts, lo)
+
+    def _cut_before(self, text: str, lo: int, at: int) -> int:
+        """The last provable cut point p with lo < p <= at; `at` itself (a token boundary) if none."""
+        p = self.tokenizer.last_cut_point(text[lo : at + 1])
+        return lo + p if p > 0 else at
 
     def _render(self, s: _Staged, options: PrepareOptions) -> None:
         """Set `s.text`, the string left to tokenize, and `s.head`, the ids of its start known in advance.
@@ -357,6 +524,7 @@ class Preprocessor:
             text_truncated=truncated,
             audio_truncated=s.audio_truncated,
             frame_timestamps=s.timestamps,
+            media_tokens=s.media_tokens,
         )
         if s.images:
             p.pixel_values = _cat([x.pixel_values for x in s.images])
@@ -398,6 +566,14 @@ class _Staged:
     audio: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (F, 128) features, (F,) mask
     audio_truncated: bool = False
     soft: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))  # placeholder id -> counts
+    media_tokens: list[tuple[MediaKind, int]] = field(default_factory=list)  # per media part
+
+
+def _first_and_last(length: int, size: int, overlap: float) -> list[tuple[int, int]]:
+    """The first and the last of `segments.spans(length, size, overlap)` (every other is as the first)."""
+    n = segments.count(length, size, overlap)
+    start = (n - 1) * segments.step_of(size, overlap)
+    return [(0, min(size, length)), (start, length)]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

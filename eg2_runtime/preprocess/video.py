@@ -19,6 +19,7 @@ after the last sampled frame and checks every decoded frame's size.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from threading import Event
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 
 from eg2_runtime.errors import Cancelled, InputTooLargeError, MediaDecodeError, check_cancel
 from eg2_runtime.inputs import MediaLimits
-from eg2_runtime.preprocess import containers
+from eg2_runtime.preprocess import containers, segments
 from eg2_runtime.preprocess.image import (
     PatchedImages,
     PatchGeometry,
@@ -155,6 +156,143 @@ def decode_video(
             param="input",
         )
     return SampledVideo(np.stack(frames), indices, [i / meta.fps for i in indices], meta)
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """One span of a video with segments: its seconds and the frames sampled inside it."""
+
+    start: float  # seconds
+    end: float
+    first: int  # the span's first frame (decode order): the span as its own clip starts here
+    frames: int  # frames inside the span
+    indices: tuple[int, ...]  # sampled frames, unique, in the whole clip's numbering
+
+
+def span_plans(meta: VideoMetadata, config: VideoConfig, seconds: float, overlap: float) -> list[SpanPlan]:
+    """The spans of `seconds` (preprocess/segments.py, in milliseconds of the declared duration), each
+    holding the frames whose time index / fps lies inside it, sampled as `sample_indices` samples a clip
+    of just those frames. A span with no frame inside (a last sliver between two frames) is left out."""
+    duration_ms = round(1000 * meta.total_frames / meta.fps)
+    plans = []
+    for start_ms, end_ms in segments.spans(duration_ms, round(1000 * seconds), overlap):
+        first = _frame_at(start_ms / 1000, meta.fps)
+        last = meta.total_frames if end_ms >= duration_ms else _frame_at(end_ms / 1000, meta.fps)
+        if last <= first:
+            continue
+        local = sample_indices(VideoMetadata(last - first, meta.fps, meta.width, meta.height), config)
+        indices = tuple(sorted({first + int(i) for i in local}))
+        plans.append(SpanPlan(start_ms / 1000, end_ms / 1000, first, last - first, indices))
+    return plans
+
+
+def _frame_at(t: float, fps: float) -> int:
+    """The first frame whose time (index / fps) is at or after t seconds."""
+    return math.ceil(t * fps - 1e-6)
+
+
+def decode_spans(
+    data: bytes,
+    config: VideoConfig,
+    limits: MediaLimits,
+    *,
+    seconds: float,
+    overlap: float,
+    geometry: PatchGeometry | None = None,
+    cancel: Event | None = None,
+) -> Iterator[tuple[SpanPlan | None, SampledVideo]]:
+    """Decode the whole clip once, under the segment limits (MediaLimits.for_segments), and give each
+    span's sampled frames as soon as its last one is decoded, as `decode_video` would give the span
+    sent as a clip of its own (its frames, its own timestamps from 0); then the clip itself, as
+    `decode_video` gives it: (None, its 32 frames at most). Frames are resized as they are decoded
+    (`geometry`), and only those a span or the whole still needs are kept.
+    """
+    from av.video.reformatter import VideoReformatter  # PyAV only where video is served
+
+    limits = limits.for_segments()
+    try:
+        with containers.open_container(data, _FORMATS, "video", "an MP4, MOV, MKV or WebM file") as container:
+            if not container.streams.video:
+                raise MediaDecodeError("could not decode video: the file has no video stream", param="input")
+            stream = container.streams.video[0]
+            meta = _metadata(container, stream, limits)
+            check_decode_cost(meta, meta.total_frames - 1, limits)
+            plans = span_plans(meta, config, seconds, overlap)
+            whole = sorted(set(sample_indices(meta, config).tolist()))
+            wanted = set(whole).union(*(p.indices for p in plans))
+            last = max(wanted)
+            size = None if geometry is None else target_size(meta.height, meta.width, config.budget, geometry)
+            kept: dict[int, np.ndarray] = {}
+            to_rgb, rescale = VideoReformatter(), VideoReformatter()
+            todo = list(plans)
+            for i, frame in enumerate(container.decode(stream)):
+                check_cancel(cancel)
+                if i > last:
+                    break
+                if frame.width * frame.height > limits.max_video_frame_pixels:
+                    raise InputTooLargeError(
+                        f"video frame is too large: {frame.width}x{frame.height}", param="input"
+                    )
+                if i in wanted:
+                    if (frame.width, frame.height) != (meta.width, meta.height):
+                        frame = rescale.reformat(frame, width=meta.width, height=meta.height)
+                    rgb = to_rgb.reformat(frame, format="rgb24").to_ndarray()
+                    kept[i] = rgb if size is None else _resized(rgb, size)
+                while todo and todo[0].indices[-1] <= i:
+                    plan = todo.pop(0)
+                    local = [j - plan.first for j in plan.indices]
+                    span_meta = VideoMetadata(plan.frames, meta.fps, meta.width, meta.height)
+                    frames = np.stack([kept[j] for j in plan.indices])
+                    yield plan, SampledVideo(frames, local, [j / meta.fps for j in local], span_meta)
+                    still = set(whole).union(*(p.indices for p in todo[:2]))  # overlap < 0.5: 2 spans
+                    kept = {j: f for j, f in kept.items() if j in still}
+    except (MediaDecodeError, InputTooLargeError, Cancelled):
+        raise
+    except MemoryError as e:
+        raise InputTooLargeError("video is too large to decode", param="input") from e
+    except Exception as e:  # av.error.* for corrupt or truncated files
+        raise MediaDecodeError(f"could not decode video: {reason(e)}", param="input") from e
+    missing = [j for j in whole if j not in kept]
+    if todo or missing:
+        raise MediaDecodeError(
+            f"video is truncated: it ended before frame {min([*missing, *(p.indices[0] for p in todo)])} "
+            f"of its {meta.total_frames} declared frames",
+            param="input",
+        )
+    frames = np.stack([kept[j] for j in whole])
+    yield None, SampledVideo(frames, whole, [j / meta.fps for j in whole], meta)
+
+
+def probe_spans(
+    data: bytes,
+    config: VideoConfig,
+    geometry: PatchGeometry,
+    limits: MediaLimits,
+    seconds: float,
+    overlap: float,
+) -> tuple[int, list[int]]:
+    """(tokens of the clip itself, tokens of each span) of a video with segments, from its container
+    metadata alone; InputTooLargeError where `decode_spans` would refuse the metadata. Metadata that
+    cannot be read counts as the most: the segment duration limit in spans of 32 frames."""
+    limits = limits.for_segments()
+    try:
+        with containers.open_container(data, _FORMATS, "video", "video") as container:
+            if not container.streams.video:
+                raise MediaDecodeError("no video stream")
+            meta = _metadata(container, container.streams.video[0], limits)
+    except InputTooLargeError:
+        raise
+    except Exception:
+        most = config.max_frames * (config.budget + 2)
+        span_ms = round(1000 * seconds)
+        length = (
+            round(1000 * limits.max_video_seconds) if math.isfinite(limits.max_video_seconds) else span_ms
+        )
+        return most, [most] * segments.count(length, span_ms, overlap)
+    check_decode_cost(meta, meta.total_frames - 1, limits)
+    per_frame = soft_tokens(meta.height, meta.width, config.budget, geometry) + 2
+    whole = len(set(sample_indices(meta, config).tolist()))
+    return whole * per_frame, [len(p.indices) * per_frame for p in span_plans(meta, config, seconds, overlap)]
 
 
 def _resized(rgb: np.ndarray, size: tuple[int, int]) -> np.ndarray:

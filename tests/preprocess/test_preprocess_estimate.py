@@ -15,7 +15,8 @@ import pytest
 
 from app.settings import Settings
 from eg2_runtime.engine import Engine
-from eg2_runtime.errors import InputTooLargeError, InputTooLongError
+from eg2_runtime.api import Estimate
+from eg2_runtime.errors import EG2Error, InputTooLargeError, InputTooLongError
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from tests.support import media
 
@@ -106,7 +107,8 @@ def test_estimate_equals_what_prepare_counts(
     prepared = engine.prepare(item, options)
     # MP3/M4A durations come from the container: the encoder's padding may add a frame or two.
     tolerance = 2 if case.startswith("m4a") else 0
-    assert abs(estimate - prepared.num_tokens) <= tolerance, (case, estimate, prepared.num_tokens)
+    assert not isinstance(estimate, EG2Error) and estimate.spans == 0, estimate
+    assert abs(estimate.tokens - prepared.num_tokens) <= tolerance, (case, estimate, prepared.num_tokens)
 
 
 def test_estimate_refuses_from_headers_without_decoding(engine: Engine) -> None:
@@ -129,7 +131,7 @@ def test_estimate_refuses_from_headers_without_decoding(engine: Engine) -> None:
     assert isinstance(results[0], InputTooLongError) and "258002 tokens" in results[0].message, results[0]
     assert isinstance(results[1], InputTooLargeError) and "too large" in results[1].message, results[1]
     assert isinstance(results[2], InputTooLargeError) and "too long" in results[2].message, results[2]
-    assert results[3] == 6
+    assert results[3] == Estimate(6)
     assert took < 1.0, f"estimating took {took:.2f} s: something was decoded"
 
 
@@ -139,4 +141,4 @@ def test_unreadable_headers_count_as_the_most_and_leave_the_verdict_to_prepare(e
     [image, audio, video] = engine.estimate_many(
         [Item((MediaPart(kind, junk),)) for kind in ("image", "audio", "video")], PrepareOptions()
     )
-    assert image == 2 + 280 + 2 and audio == 2 + 750 + 2 and video == 2 + 32 * 72, (image, audio, video)
+    assert (image, audio, video) == (Estimate(2 + 280 + 2), Estimate(2 + 750 + 2), Estimate(2 + 32 * 72))
