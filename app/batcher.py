@@ -2,7 +2,7 @@
 
     embed(items) ── admission (items in flight <= limit, else 429 at once)
        └─► cost check: engine.estimate_many (media headers on a thread, text counted on the loop);
-           413 over max_request_tokens, before anything is decoded or tokenized
+           413 over max_request_tokens or max_request_segments, before anything is decoded or tokenized
        └─► preprocess pool: N threads run engine.prepare_many, overlapping with the GPU (a request's
              text in one job, each of its media items in a job of its own, started only while the
              media tokens decoded ahead of the GPU stay under their budget); a request's short text
@@ -13,6 +13,11 @@
                        at most); take the oldest item plus the queued items closest to it in cost,
                        under max_batch_tokens and max_batch_items
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
+
+An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step (a span)
+at a time on the preprocess threads, each step started once its estimated tokens fit the media budget;
+each span and the item itself join the queues as ordinary items, so an hour of audio in 10 s spans is
+~360 items that fill GPU batches beside other requests' items, admitted and budgeted as they go.
 
 A request whose future is done (answered, failed, cancelled on disconnect or timeout) is dead: its
 items are skipped before preprocessing, their decoding stops within a frame (a cancel flag the
@@ -43,7 +48,7 @@ import numpy as np
 
 from app.errors import Overloaded, Unavailable
 from app.metrics import Metrics
-from eg2_runtime.api import EngineAPI, PreparedItem
+from eg2_runtime.api import EngineAPI, Estimate, PreparedItem, SegmentStream, Span, TokenCount
 from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
@@ -148,8 +153,9 @@ def _prepare_groups(items: Sequence[Item]) -> list[list[int]]:
     (one tokenizer call, one thread hop and one callback for all of them: per item, those cost the
     event loop more than the tokenizing), each media item in a job of its own (decoding takes
     milliseconds, so several threads share a request's images, clips and videos)."""
-    text = [i for i, item in enumerate(items) if item.modality == "text"]
-    media = [[i] for i, item in enumerate(items) if item.modality != "text"]
+    plain = [i for i, item in enumerate(items) if item.span_unit is None]  # the others are streams
+    text = [i for i in plain if items[i].modality == "text"]
+    media = [[i] for i in plain if items[i].modality != "text"]
     return ([text] if text else []) + media
 
 
@@ -157,6 +163,8 @@ def _prepare_groups(items: Sequence[Item]) -> list[list[int]]:
 class Embedded:
     vectors: np.ndarray  # (N, D) float32 unit rows, in item order
     num_tokens: int  # sum of PreparedItem.num_tokens: what `usage` reports
+    # Items with segments: item index -> its spans in order and their (S, D) rows.
+    segments: dict[int, tuple[list[Span], np.ndarray]]
     queue_s: float  # longest wait of one of its items for the GPU
     inference_s: float  # summed time of the GPU batches that carried its items
 
@@ -195,6 +203,13 @@ class _MediaBudget:
         self.used -= tokens
         self._grant()
 
+    def adjust(self, tokens: int) -> None:
+        """Hold `tokens` more (fewer, when negative) than was acquired, at once: a stream's step turned
+        out larger or smaller than its estimate. May pass the limit by one step's error."""
+        self.used += tokens
+        if tokens < 0:
+            self._grant()
+
     def _fits(self, tokens: int) -> bool:
         return self.used == 0 or self.used + tokens <= self.limit
 
@@ -212,7 +227,11 @@ class _Request:
     def __init__(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[None] = loop.create_future()
         self.rows: list[np.ndarray | None] = [None] * n
-        self.remaining = n
+        self.spans: dict[int, dict[int, tuple[Span, np.ndarray]]] = {}  # item -> span index -> row
+        self.remaining = n  # rows not delivered yet, plus one per stream still preparing
+        self.expected = n  # items it has (its spans counted as they are cut)
+        self.segments = 0  # spans cut so far
+        self.admitted = n  # what it holds of the admission limit
         self.num_tokens = 0
         self.queue_s = 0.0
         self.inference_s = 0.0
@@ -223,7 +242,7 @@ class _Request:
         self.queued = 0  # items that reached the GPU queues
         self.failed = 0  # items whose preparation failed (they fail the request; not "dropped")
         self.refused = False  # refused by the cost check before any work: nothing to drop
-        self.held: dict[int, int] = {}  # media item index -> its tokens held in the media budget
+        self.held: dict[tuple[int, int], int] = {}  # (item, span or -1) -> its tokens in the media budget
 
     @property
     def dead(self) -> bool:
@@ -233,15 +252,31 @@ class _Request:
         if not self.future.done():
             self.future.set_exception(exc)
 
-    def deliver(self, index: int, row: np.ndarray, num_tokens: int, batch_id: int, batch_s: float) -> None:
-        self.rows[index] = row
-        self.num_tokens += num_tokens
+    def deliver(self, work: _Work, row: np.ndarray, batch_id: int, batch_s: float) -> None:
+        span = work.item.span
+        if span is None:
+            self.rows[work.index] = row
+        else:
+            self.spans.setdefault(work.index, {})[span.index] = (span, row)
+        self.num_tokens += work.item.num_tokens
         if batch_id != self.last_batch:
             self.last_batch = batch_id
             self.inference_s += batch_s
-        self.remaining -= 1
+        self.settle(1)
+
+    def settle(self, n: int) -> None:
+        """`n` rows (or a finished stream) fewer to wait for; done at none."""
+        self.remaining -= n
         if self.remaining == 0 and not self.future.done():
             self.future.set_result(None)
+
+    def embedded(self) -> Embedded:
+        rows = np.stack(self.rows)  # type: ignore[arg-type]  # every row was delivered
+        segments = {}
+        for index, spans in self.spans.items():
+            ordered = [spans[k] for k in sorted(spans)]
+            segments[index] = ([span for span, _ in ordered], np.stack([row for _, row in ordered]))
+        return Embedded(rows, self.num_tokens, segments, self.queue_s, self.inference_s)
 
 
 @dataclass(eq=False)
@@ -250,6 +285,11 @@ class _Work:
     index: int
     item: PreparedItem
     enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """Its slot in the request: (item, span index), -1 for the item itself."""
+        return self.index, -1 if self.item.span is None else self.item.span.index
 
 
 class _Queue:
@@ -307,6 +347,7 @@ class Batcher:
         inline_prepare_chars: int,
         max_request_tokens: int,
         max_prepared_media_tokens: int,
+        max_request_segments: int = 512,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -317,6 +358,7 @@ class Batcher:
         self._stall_timeout_s = stall_timeout_s
         self._inline_chars = inline_prepare_chars  # a request's text up to this size skips the pool
         self._max_request_tokens = max_request_tokens
+        self._max_request_segments = max_request_segments
         self.media_budget = _MediaBudget(max_prepared_media_tokens)
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare")
@@ -417,22 +459,20 @@ class Batcher:
     # --- requests ------------------------------------------------------------------------------
 
     async def embed(self, items: Sequence[Item], options: PrepareOptions) -> Embedded:
-        """Vectors of `items`, in order. Cancel the caller to drop its items (disconnect, timeout)."""
+        """Vectors of `items` (and of their segments), in order. Cancel the caller to drop its items
+        (disconnect, timeout)."""
         n = len(items)
-        if self.admitted + n > self._limit:
-            raise Overloaded(
-                f"server is at its admission limit ({self._limit} items in flight); retry later",
-                retry_after_s=self._retry_after(),
-            )
-        self.admitted += n
-        self._metrics.admitted_items.set(self.admitted)
+        self._admit(n)
         request = _Request(n, asyncio.get_running_loop())
         self._live.add(request)
-        feeder: asyncio.Task[None] | None = None
+        feeders: list[asyncio.Task[None]] = []
         try:
             try:
-                costs = await self._check_cost(request, items, options)
-            except EG2Error:
+                estimates = await self._check_cost(request, items, options)
+                spans = sum(e.spans for e in estimates)
+                self._admit(spans)  # each segment is an item in flight
+                request.admitted += spans
+            except (EG2Error, Overloaded):
                 request.refused = True
                 raise
             groups = _prepare_groups(items)
@@ -440,13 +480,17 @@ class Batcher:
             for group in groups:
                 if items[group[0]].modality == "text":
                     self._submit(request, items, group, options)
+            costs = [e.tokens for e in estimates]
             if media:  # each as the media budget allows: decoding waits for the GPU to catch up
-                feeder = asyncio.create_task(self._feed(request, items, media, costs, options))
+                feeders.append(asyncio.create_task(self._feed(request, items, media, costs, options)))
+            for i, item in enumerate(items):
+                if item.span_unit is not None:
+                    request.remaining += 1  # until its stream ends
+                    feeders.append(asyncio.create_task(self._stream(request, i, item, estimates[i], options)))
             await request.future
-            rows = np.stack(request.rows)  # type: ignore[arg-type]  # every row was delivered
-            return Embedded(rows, request.num_tokens, request.queue_s, request.inference_s)
+            return request.embedded()
         finally:
-            if feeder is not None:
+            for feeder in feeders:
                 feeder.cancel()
             for tokens in request.held.values():  # what its items still hold (dropped or never run)
                 self.media_budget.release(tokens)
@@ -458,12 +502,43 @@ class Batcher:
                 if not request.refused:
                     # Never reached the GPU queues: waiting for a preprocessing thread, being decoded
                     # (stopped now), or prepared after the end. Queued ones are counted when swept.
-                    lost = n - request.queued - request.failed
+                    lost = request.expected - request.queued - request.failed
                     self._metrics.dropped_items.labels("preprocessing").inc(lost)
             future.cancel()  # no-op when answered; otherwise marks its leftovers dead
             for prep in request.prep_futures:
                 prep.cancel()
             self._live.discard(request)
+            self.admitted -= request.admitted
+            self._metrics.admitted_items.set(self.admitted)
+
+    def _admit(self, n: int) -> None:
+        """Take `n` items of the admission limit, or refuse (429) at once."""
+        if self.admitted + n > self._limit:
+            raise Overloaded(
+                f"server is at its admission limit ({self._limit} items in flight); retry later",
+                retry_after_s=self._retry_after(),
+            )
+        self.admitted += n
+        self._metrics.admitted_items.set(self.admitted)
+
+    async def tokenize(self, items: Sequence[Item], options: PrepareOptions) -> list[TokenCount]:
+        """What each item costs (engine.tokenize_many: the preparing `embed` runs, no model), after the
+        same admission and cost check; on a preprocess thread."""
+        n = len(items)
+        self._admit(n)
+        request = _Request(n, asyncio.get_running_loop())
+        try:
+            await self._check_cost(request, items, options)
+            job = self._prep.submit(self._engine.tokenize_many, items, options, request.cancel)
+            request.prep_futures.append(job)
+            counts = await job
+            if (error := next((c for c in counts if isinstance(c, EG2Error)), None)) is not None:
+                raise error
+            return [c for c in counts if isinstance(c, TokenCount)]
+        finally:
+            request.cancel.set()
+            for prep in request.prep_futures:
+                prep.cancel()
             self.admitted -= n
             self._metrics.admitted_items.set(self.admitted)
 
@@ -495,17 +570,83 @@ class Batcher:
         for group in groups:
             tokens = sum(costs[i] for i in group)
             await self.media_budget.acquire(tokens)
-            request.held[group[0]] = tokens
+            request.held[group[0], -1] = tokens
             if request.dead:
                 return
             self._submit(request, items, group, options)
 
+    async def _stream(
+        self, request: _Request, index: int, item: Item, estimate: Estimate, options: PrepareOptions
+    ) -> None:
+        """Feed one item with segments: a step of its stream at a time on a preprocess thread, each
+        started once its estimated tokens (a span's) fit the media budget; what a step gives joins the
+        queues at once. The stream (its open file) is closed however this ends."""
+        modality = item.modality
+        media = modality != "text"
+        per_step = -(-estimate.span_tokens // max(estimate.spans, 1)) if media else 0
+        stream = self._engine.prepare_segments(item, options, request.cancel)
+        try:
+            while not request.dead:
+                if media:
+                    await self.media_budget.acquire(per_step)
+                held = per_step
+                self._preparing[modality] += 1
+                try:
+                    job = self._prep.submit(self._step, stream)
+                    request.prep_futures.append(job)
+                    step = await job
+                except BaseException:
+                    self.media_budget.release(held)
+                    raise
+                finally:
+                    self._preparing[modality] -= 1
+                    self._wakeup.set()
+                if step is None or request.dead:
+                    self.media_budget.release(held)
+                    break
+                if media:
+                    self.media_budget.adjust(sum(p.cost for p in step) - held)
+                cut = sum(p.span is not None for p in step)
+                request.segments += cut
+                request.expected += cut
+                request.remaining += cut
+                if request.segments > self._max_request_segments:
+                    self.media_budget.release(sum(p.cost for p in step) if media else 0)
+                    request.fail(self._too_many_segments(request.segments))
+                    return
+                self._enqueue(request, [(index, p) for p in step], hold=media)
+            request.settle(1)  # the stream is done; its rows may still be on the way
+        except EG2Error as exc:
+            request.failed += 1
+            request.fail(exc)
+        finally:
+            self._prep.submit(stream.close)  # after a running step: the cancel flag stops it first
+
+    def _step(self, stream: SegmentStream) -> list[PreparedItem] | None:
+        """One step of a stream, on a preprocess thread (the histogram gets each item's share)."""
+        start = time.monotonic()
+        step = stream.next()
+        if step:
+            share = (time.monotonic() - start) / len(step)
+            for p in step:
+                self._metrics.preprocess_seconds.labels(p.modality).observe(share)
+        return step
+
+    def _too_many_segments(self, n: int) -> InputTooLargeError:
+        return InputTooLargeError(
+            f"this request asks for {n} segments, more than this server's limit of "
+            f"{self._max_request_segments} per request (max_request_segments); send longer spans "
+            "or fewer items",
+            param="segments",
+        )
+
     async def _check_cost(
         self, request: _Request, items: Sequence[Item], options: PrepareOptions
-    ) -> list[int]:
+    ) -> list[Estimate]:
         """Refuse the request before any decoding or tokenizing when its estimated cost (headers, durations,
-        characters: engine.estimate_many) is over the per-request limit, or an item's headers already
-        prove it will fail. Media headers are read on a preprocessing thread, text is counted here."""
+        characters: engine.estimate_many) is over the per-request limits (tokens, segments), or an item's
+        headers already prove it will fail. Media headers are read on a preprocessing thread, text is
+        counted here."""
         if all(item.modality == "text" for item in items):
             estimate = _run_here(self._engine.estimate_many, items, options)
         else:
@@ -514,7 +655,8 @@ class Batcher:
         results = await estimate
         if (error := next((r for r in results if isinstance(r, EG2Error)), None)) is not None:
             raise error
-        total = sum(r for r in results if isinstance(r, int))
+        estimates = [r for r in results if isinstance(r, Estimate)]
+        total = sum(e.total for e in estimates)
         if total > self._max_request_tokens:
             raise InputTooLargeError(
                 f"this request would cost about {total} tokens (text counted at one token per character, "
@@ -522,7 +664,9 @@ class Batcher:
                 "per request (max_request_tokens); send fewer or shorter items per request",
                 param="input",
             )
-        return [r if isinstance(r, int) else 0 for r in results]
+        if (spans := sum(e.spans for e in estimates)) > self._max_request_segments:
+            raise self._too_many_segments(spans)
+        return estimates
 
     def _inline(self, job: list[Item], options: PrepareOptions) -> bool:
         """Whether a request's text job is small enough to tokenize on the event loop."""
@@ -560,11 +704,18 @@ class Batcher:
             return
         if request.dead:
             return  # counted as dropped where the request ended
-        request.queued += len(results)
-        for index, item in zip(indices, results, strict=True):
+        self._enqueue(request, list(zip(indices, results, strict=True)))
+
+    def _enqueue(self, request: _Request, items: list[tuple[int, PreparedItem]], hold: bool = False) -> None:
+        """Prepared items of a request into their modality's queue. `hold`: each keeps its cost in the
+        media budget until embedded (a stream's steps acquired it)."""
+        request.queued += len(items)
+        for index, item in items:
             work = _Work(request, index, item)
+            if hold:
+                request.held[work.key] = item.cost
             self._queues.setdefault(item.modality, _Queue()).append(work)
-        for kind in {item.modality for item in results}:  # the queues these items joined
+        for kind in {item.modality for _, item in items}:  # the queues these items joined
             self._metrics.queue_depth.labels(kind).set(len(self._queues[kind]))
 
     def _retry_after(self) -> int:
@@ -668,6 +819,6 @@ class Batcher:
         rate = len(live) / max(elapsed, 1e-6)
         self._items_per_s = rate if self._items_per_s == 0 else 0.8 * self._items_per_s + 0.2 * rate
         for work, row in zip(live, vectors, strict=True):
-            if tokens := work.request.held.pop(work.index, 0):
+            if tokens := work.request.held.pop(work.key, 0):
                 self.media_budget.release(tokens)
-            work.request.deliver(work.index, row, work.item.num_tokens, batch_id, elapsed)
+            work.request.deliver(work, row, batch_id, elapsed)

@@ -19,7 +19,7 @@ from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.middleware import AuthMiddleware, BodyMiddleware, RequestContextMiddleware, public_paths
 from app.routes import router
-from app.schemas import EmbeddingRequest
+from app.schemas import EmbeddingRequest, TokenizeRequest
 from app.service import Service
 from app.settings import Settings
 from eg2_runtime.api import EngineAPI
@@ -75,11 +75,12 @@ def create_app(settings: Settings, engine: EngineAPI | None = None) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            # The embeddings body is parsed by hand (see routes.py); publish its schema as a component.
-            request_schema = EmbeddingRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            # The request bodies are parsed by hand (see routes.py); publish their schemas as components.
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(request_schema.pop("$defs", {}))
-            components["EmbeddingRequest"] = request_schema
+            for model in (EmbeddingRequest, TokenizeRequest):
+                request_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(request_schema.pop("$defs", {}))
+                components[model.__name__] = request_schema
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from app.errors import clip
-from app.schemas import AudioPartIn, EmbeddingRequest, ImagePartIn, PartIn, TextPartIn, VideoPartIn
+from app.schemas import AudioPartIn, ImagePartIn, InputRequest, PartIn, TextPartIn, VideoPartIn
 from app.settings import Settings
 from eg2_runtime.errors import InputError, InputTooLargeError, MediaDecodeError, ModalityNotLoadedError
 from eg2_runtime.inputs import Item, MediaKind, MediaPart, Part, TextPart
@@ -84,23 +84,25 @@ class MediaResolver:
         self._modalities = modalities
         self._media_dir = settings.media_dir.resolve() if settings.media_dir else None
 
-    async def items(self, request: EmbeddingRequest) -> list[Item]:
+    async def items(self, request: InputRequest) -> list[Item]:
+        """The request's items; `segments` set on those sent alone (a string or a single part)."""
         self.check_counts(request)
+        spec = request.segments.spec() if request.segments is not None else None
         items = []
-        for param, parts in request.items():
+        for param, parts, alone in request.items():
             resolved = [
                 await self._part(part, f"{param}[{j}]" if param.endswith(("content", "messages")) else param)
                 for j, part in enumerate(parts)
             ]
-            items.append(Item(parts=tuple(resolved)))
+            items.append(Item(parts=tuple(resolved), segments=spec if alone else None))
         return items
 
-    def check_counts(self, request: EmbeddingRequest) -> None:
+    def check_counts(self, request: InputRequest) -> None:
         """413 for too many parts in one item or too many media in the request, before any payload is
         decoded (the limits: max_item_parts, max_request_media)."""
         s = self._settings
         media = 0
-        for param, parts in request.items():
+        for param, parts, _ in request.items():
             if len(parts) > s.max_item_parts:
                 raise InputTooLargeError(
                     f"{len(parts)} parts in one item, more than this server's limit of {s.max_item_parts} "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Coroutine
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
@@ -18,11 +18,26 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import eg2_runtime
 from app.errors import ClientGone, Unavailable, error_body
 from app.media import MediaResolver
-from app.schemas import EmbeddingResponse, ErrorBody, ModelCard, ModelList, encode_embeddings, parse_request
+from app.schemas import (
+    EmbeddingResponse,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+    SegmentRows,
+    TokenizeData,
+    TokenizePart,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizeSegment,
+    Usage,
+    encode_embeddings,
+    parse_body,
+    parse_request,
+)
 from app.service import Service, State
 from eg2_runtime.api import matryoshka
 from eg2_runtime.errors import InputError
-from eg2_runtime.inputs import MATRYOSHKA_DIMS
+from eg2_runtime.inputs import MATRYOSHKA_DIMS, MediaKind
 
 T = TypeVar("T")
 router = APIRouter()
@@ -53,6 +68,18 @@ _EMBEDDING_BODY = {
         "required": True,
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingRequest"}}},
     }
+}
+_TOKENIZE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TokenizeRequest"}}},
+    }
+}
+# The runtime's media kinds -> the part types a request names them by.
+PART_TYPES: dict[MediaKind, Literal["image_url", "input_audio", "video_url"]] = {
+    "image": "image_url",
+    "audio": "input_audio",
+    "video": "video_url",
 }
 
 
@@ -97,20 +124,56 @@ async def create_embeddings(request: Request, service: ServiceDep) -> Response:
     options = service.prepare_options(body)
     items = await MediaResolver(service.settings, service.engine.modalities).items(body)
     result = await _unless_disconnected(request, service.embed(items, options))
-    vectors = result.vectors
-    if body.dimensions is not None and body.dimensions != vectors.shape[1]:
-        vectors = matryoshka(vectors, body.dimensions)
+    dim = body.dimensions
+    cut = (lambda v: v) if dim is None or dim == result.vectors.shape[1] else (lambda v: matryoshka(v, dim))
     content = encode_embeddings(
-        vectors,
+        cut(result.vectors),
         encoding_format=body.encoding_format,
         model=service.settings.served_name,
         num_tokens=result.num_tokens,
+        embedding_type=body.embedding_type,
+        segments={
+            i: SegmentRows([(span.start, span.end) for span in spans], cut(rows))
+            for i, (spans, rows) in result.segments.items()
+        },
     )
     headers = {
         "x-queue-time-ms": f"{result.queue_s * 1000:.2f}",
         "x-inference-time-ms": f"{result.inference_s * 1000:.2f}",
     }
     return Response(content, media_type="application/json", headers=headers)
+
+
+@router.post(
+    "/tokenize",
+    response_model=TokenizeResponse,
+    responses=_ERRORS,
+    openapi_extra=_TOKENIZE_BODY,
+    summary="Count each item's tokens as an embeddings request would, without running the model",
+)
+async def tokenize(request: Request, service: ServiceDep) -> TokenizeResponse:
+    service.check_ready()
+    _check_json(request.headers.get("content-type"))
+    body = parse_body(await request.body(), TokenizeRequest, max_items=service.settings.max_request_items)
+    service.check_model(body.model)
+    options = service.prepare_options(body)
+    items = await MediaResolver(service.settings, service.engine.modalities).items(body)
+    counts = await _unless_disconnected(request, service.tokenize(items, options))
+    data = [
+        TokenizeData(
+            index=i,
+            tokens=c.tokens,
+            truncated=c.truncated,
+            ids=list(c.ids) if c.ids is not None else None,
+            parts=[TokenizePart(type=PART_TYPES[kind], tokens=n) for kind, n in c.parts] or None,
+            segments=[TokenizeSegment(start=s.start, end=s.end, tokens=n) for s, n in c.spans] or None,
+        )
+        for i, c in enumerate(counts)
+    ]
+    total = sum(c.tokens for c in counts)
+    return TokenizeResponse(
+        model=service.settings.served_name, data=data, usage=Usage(prompt_tokens=total, total_tokens=total)
+    )
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)

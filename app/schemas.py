@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Iterator
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 import numpy as np
 import orjson
@@ -26,8 +27,15 @@ from pydantic import (
     model_validator,
 )
 
+from eg2_runtime.api import EmbeddingType, quantize
 from eg2_runtime.errors import InputError, InputTooLargeError
-from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, MATRYOSHKA_DIMS
+from eg2_runtime.inputs import (
+    IMAGE_TOKEN_BUDGETS,
+    MATRYOSHKA_DIMS,
+    SEGMENT_SECONDS,
+    SEGMENT_TOKENS,
+    Segments,
+)
 
 # strict: a value of the wrong JSON type is refused, not coerced (OpenAI's API refuses "dimensions": "256";
 # lax pydantic would read it as 256, "false" as a bool, 256.0 as an int).
@@ -186,7 +194,37 @@ def _looks_like_token_ids(value: Any) -> bool:
     )
 
 
-class EmbeddingRequest(BaseModel):
+class SegmentsIn(BaseModel):
+    """One more vector per span of each long item: `seconds` for audio and video, `tokens` for text."""
+
+    model_config = _STRICT
+    seconds: float | None = Field(
+        None,
+        ge=SEGMENT_SECONDS[0],
+        le=SEGMENT_SECONDS[1],
+        description="Span length of audio and video items, in seconds.",
+    )
+    tokens: int | None = Field(
+        None,
+        ge=SEGMENT_TOKENS[0],
+        le=SEGMENT_TOKENS[1],
+        description="Most text tokens in a span of a text item.",
+    )
+    overlap: float = Field(0.0, ge=0.0, lt=0.5, description="Share of a span repeated in the next one.")
+
+    @model_validator(mode="after")
+    def _some_unit(self) -> SegmentsIn:
+        if self.seconds is None and self.tokens is None:
+            raise ValueError("segments needs seconds (audio, video), tokens (text), or both")
+        return self
+
+    def spec(self) -> Segments:
+        return Segments(seconds=self.seconds, tokens=self.tokens, overlap=self.overlap)
+
+
+class InputRequest(BaseModel):
+    """The fields that say what to embed and how to prepare it: /v1/embeddings and /tokenize alike."""
+
     model_config = ConfigDict(
         extra="forbid", strict=True, json_schema_extra={"examples": [{"model": "eg2", "input": "hi"}]}
     )
@@ -198,19 +236,16 @@ class EmbeddingRequest(BaseModel):
     messages: list[Message] | None = Field(
         None, min_length=1, description="vLLM form, instead of input: all contents give one embedding."
     )
-    encoding_format: Literal["float", "base64"] = Field(
-        "float", description="base64: little-endian float32 bytes of each vector."
-    )
-    dimensions: int | None = Field(
-        None, description=f"Matryoshka size, one of {', '.join(map(str, MATRYOSHKA_DIMS))}; renormalized."
-    )
     prompt_name: str | None = Field(
         None, description="A prompt of the model's config (e.g. query, document)."
     )
     prompt: str | None = Field(None, description="A literal prefix; exclusive with prompt_name.")
     truncate: bool = Field(True, description="Cut over-long text (8192 tokens) and audio (30 s); false: 400.")
     image_tokens: int = Field(280, description="Soft tokens per image: 70, 140, 280, 560 or 1120.")
-    user: str | None = Field(None, description="Accepted and ignored.")
+    segments: SegmentsIn | None = Field(
+        None,
+        description="Also a vector per span of each text, audio or video item sent alone (not in content).",
+    )
 
     @field_validator("input", mode="before")
     @classmethod
@@ -229,14 +264,6 @@ class EmbeddingRequest(BaseModel):
             raise InputError("input must not be an empty array", param="input")
         return value
 
-    @field_validator("dimensions")
-    @classmethod
-    def _matryoshka(cls, value: int | None) -> int | None:
-        if value is not None and value not in MATRYOSHKA_DIMS:
-            allowed = ", ".join(map(str, sorted(MATRYOSHKA_DIMS)))
-            raise ValueError(f"dimensions must be one of {allowed}, got {value}")
-        return value
-
     @field_validator("image_tokens")
     @classmethod
     def _image_budget(cls, value: int) -> int:
@@ -247,43 +274,90 @@ class EmbeddingRequest(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _one_source(self) -> EmbeddingRequest:
+    def _one_source(self) -> Self:
         if (self.input is None) == (self.messages is None):
             raise InputError("give exactly one of input and messages", param="input")
         if self.prompt is not None and self.prompt_name is not None:
             raise InputError("give prompt or prompt_name, not both", param="prompt")
         return self
 
-    def items(self) -> Iterator[tuple[str, list[str | PartIn]]]:
-        """(param path, parts) per embedding, in order; a plain string is one text part."""
+    def items(self) -> Iterator[tuple[str, list[str | PartIn], bool]]:
+        """(param path, parts, alone) per embedding, in order; a plain string is one text part. `alone`:
+        the item was sent as a string or a single part (not `content`, not `messages`), the items that
+        `segments` applies to."""
         if self.messages is not None:
             parts: list[str | PartIn] = []
             for message in self.messages:
                 parts.extend([message.content] if isinstance(message.content, str) else message.content)
-            yield "messages", parts
+            yield "messages", parts, False
             return
         if isinstance(self.input, str):
-            yield "input", [self.input]
+            yield "input", [self.input], True
             return
         for i, item in enumerate(self.input or ()):
             if isinstance(item, ContentItemIn):
-                yield f"input[{i}].content", list(item.content)
+                yield f"input[{i}].content", list(item.content), False
             else:
-                yield f"input[{i}]", [item]
+                yield f"input[{i}]", [item], True
+
+
+class EmbeddingRequest(InputRequest):
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the little-endian bytes of each vector, in its embedding_type."
+    )
+    dimensions: int | None = Field(
+        None, description=f"Matryoshka size, one of {', '.join(map(str, MATRYOSHKA_DIMS))}; renormalized."
+    )
+    embedding_type: EmbeddingType = Field(
+        "float",
+        description="float, float16, int8 (with a per-row scale), binary or ubinary (bits of v > 0, packed).",
+    )
+    user: str | None = Field(None, description="Accepted and ignored.")
+
+    @field_validator("dimensions")
+    @classmethod
+    def _matryoshka(cls, value: int | None) -> int | None:
+        if value is not None and value not in MATRYOSHKA_DIMS:
+            allowed = ", ".join(map(str, sorted(MATRYOSHKA_DIMS)))
+            raise ValueError(f"dimensions must be one of {allowed}, got {value}")
+        return value
+
+
+class TokenizeRequest(InputRequest):
+    """POST /tokenize: the fields of an embeddings request that decide its tokens."""
+
+
+R = TypeVar("R", bound=InputRequest)
 
 
 def parse_request(body: bytes, *, max_items: int) -> EmbeddingRequest:
-    """Validate a raw JSON body (pydantic's parser: strict UTF-8, bounded nesting)."""
-    return EmbeddingRequest.model_validate_json(body, context={"max_items": max_items})
+    """Validate a raw /v1/embeddings body (pydantic's parser: strict UTF-8, bounded nesting)."""
+    return parse_body(body, EmbeddingRequest, max_items=max_items)
+
+
+def parse_body(body: bytes, kind: type[R], *, max_items: int) -> R:
+    """Validate a raw JSON body as `kind` (pydantic's parser: strict UTF-8, bounded nesting)."""
+    return kind.model_validate_json(body, context={"max_items": max_items})
 
 
 # --- Responses -----------------------------------------------------------------------------------
 
 
+class SegmentData(BaseModel):
+    start: float = Field(description="seconds (audio, video) or a character offset (text)")
+    end: float
+    embedding: list[float] | str
+    scale: float | None = Field(None, description="int8 only: the row's value is embedding x scale")
+
+
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+    embedding: list[float] | str = Field(
+        description="numbers of the embedding_type (floats by default), or base64 of their little-endian bytes"
+    )
+    scale: float | None = Field(None, description="int8 only: the row's value is embedding x scale")
+    segments: list[SegmentData] | None = Field(None, description="with `segments`: one per span, in order")
 
 
 class Usage(BaseModel):
@@ -295,6 +369,35 @@ class EmbeddingResponse(BaseModel):
     object: Literal["list"] = "list"
     model: str
     data: list[EmbeddingData]
+    usage: Usage
+
+
+class TokenizePart(BaseModel):
+    type: Literal["image_url", "input_audio", "video_url"]
+    tokens: int = Field(description="its soft tokens and markers")
+
+
+class TokenizeSegment(BaseModel):
+    start: float
+    end: float
+    tokens: int
+
+
+class TokenizeData(BaseModel):
+    index: int
+    tokens: int = Field(
+        description="what an embeddings request reports in usage for this item, segments included"
+    )
+    truncated: bool = Field(description="text was cut at the model's context, or audio at 30 s")
+    ids: list[int] | None = Field(None, description="text items: the model's input ids, BOS and EOS included")
+    parts: list[TokenizePart] | None = Field(None, description="items with media: each media part's tokens")
+    segments: list[TokenizeSegment] | None = Field(None, description="with `segments`: each span's tokens")
+
+
+class TokenizeResponse(BaseModel):
+    object: Literal["list"] = "list"
+    model: str
+    data: list[TokenizeData]
     usage: Usage
 
 
@@ -321,27 +424,66 @@ class ErrorBody(BaseModel):
     error: ErrorDetail
 
 
-def encode_embeddings(vectors: np.ndarray, *, encoding_format: str, model: str, num_tokens: int) -> bytes:
-    """The response body, built directly: (N, D) float32 rows -> JSON floats or base64 little-endian f32.
+@dataclass(frozen=True)
+class SegmentRows:
+    """One item's segments for the response: each span's (start, end) and its (S, D) unit rows."""
+
+    bounds: list[tuple[float, float]]
+    vectors: np.ndarray
+
+
+def encode_embeddings(
+    vectors: np.ndarray,
+    *,
+    encoding_format: str,
+    model: str,
+    num_tokens: int,
+    embedding_type: EmbeddingType = "float",
+    segments: dict[int, SegmentRows] | None = None,
+) -> bytes:
+    """The response body, built directly: (N, D) float32 unit rows (and each item's segment rows) ->
+    `embedding_type` (eg2_runtime.api.quantize) -> JSON numbers or base64 of the type's little-endian
+    bytes; int8 rows carry their `scale`.
 
     Floats are written by orjson, each as the shortest decimal that reads back to the same float32 (as
     TEI's serde_json writes f32): parsed as float32, they are exactly the vector base64 carries. The
     stdlib's json wrote each float32 widened to a double: 32 x 768 floats took 9.8 ms of the event
     loop (0.47 ms now) and 1.7x the bytes (benchmarks/encode_embeddings.py).
     """
-    rows: list[Any]
-    vectors = np.ascontiguousarray(vectors, dtype=np.float32)  # (N, D), native order: what orjson reads
-    if not np.isfinite(vectors).all():  # either encoding
-        raise ValueError("an embedding holds NaN or infinity")  # a bug: 500, never a null in a vector
-    if encoding_format == "base64":
-        little = vectors.astype("<f4", copy=False)  # the wire format is little-endian on any host
-        rows = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
-    else:
-        rows = list(vectors)  # (D,) float32 views: orjson writes numpy arrays itself
+    segments = segments or {}
+    data: list[dict[str, Any]] = []
+    for i, row in enumerate(_encoded_rows(vectors, encoding_format, embedding_type)):
+        entry = {"object": "embedding", "index": i, **row}
+        if i in segments:
+            seg = segments[i]
+            rows = _encoded_rows(seg.vectors, encoding_format, embedding_type)
+            entry["segments"] = [
+                {"start": start, "end": end, **r} for (start, end), r in zip(seg.bounds, rows, strict=True)
+            ]
+        data.append(entry)
     body = {
         "object": "list",
         "model": model,
-        "data": [{"object": "embedding", "index": i, "embedding": row} for i, row in enumerate(rows)],
+        "data": data,
         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
     }
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _encoded_rows(
+    vectors: np.ndarray, encoding_format: str, embedding_type: EmbeddingType
+) -> list[dict[str, Any]]:
+    """(N, D) float32 rows -> per row {"embedding": ..., ["scale": ...]} in the type and encoding."""
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)  # (N, D), native order: what orjson reads
+    if not np.isfinite(vectors).all():  # either encoding
+        raise ValueError("an embedding holds NaN or infinity")  # a bug: 500, never a null in a vector
+    values, scales = quantize(vectors, embedding_type)
+    rows: list[Any]
+    if encoding_format == "base64":
+        little = values.astype(values.dtype.newbyteorder("<"), copy=False)  # little-endian on any host
+        rows = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
+    else:
+        rows = list(values)  # (D,) views: orjson writes numpy arrays itself
+    if scales is None:
+        return [{"embedding": row} for row in rows]
+    return [{"embedding": row, "scale": float(scale)} for row, scale in zip(rows, scales, strict=True)]

@@ -24,20 +24,21 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from app.batcher import Batcher, Embedded
 from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
-from app.schemas import EmbeddingRequest
+from app.schemas import InputRequest
 from app.settings import Settings
-from eg2_runtime.api import EngineAPI
+from eg2_runtime.api import EngineAPI, TokenCount
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.inputs import Item, PrepareOptions, resolve_prompt
 
 log = logging.getLogger("eg2.service")
+T = TypeVar("T")
 
 DEMO_BANNER = (
     "NO MODEL CONFIGURED: serving the tiny DEMO checkpoint with RANDOM weights. Its vectors are "
@@ -211,6 +212,7 @@ class Service:
                 inline_prepare_chars=s.inline_prepare_chars,
                 max_request_tokens=s.max_request_tokens,
                 max_prepared_media_tokens=self.prepared_media_tokens(),
+                max_request_segments=s.max_request_segments,
             )
             self._batcher.start()
             await self._batcher.warmup()
@@ -313,7 +315,7 @@ class Service:
                 param="model",
             )
 
-    def prepare_options(self, request: EmbeddingRequest) -> PrepareOptions:
+    def prepare_options(self, request: InputRequest) -> PrepareOptions:
         engine = self.engine
         prompt = resolve_prompt(
             engine.prompts, engine.default_prompt_name, request.prompt_name, request.prompt
@@ -323,10 +325,19 @@ class Service:
     async def embed(self, items: list[Item], options: PrepareOptions) -> Embedded:
         self.check_ready()
         assert self._batcher is not None
+        return await self._timed(self._batcher.embed(items, options))
+
+    async def tokenize(self, items: list[Item], options: PrepareOptions) -> list[TokenCount]:
+        self.check_ready()
+        assert self._batcher is not None
+        return await self._timed(self._batcher.tokenize(items, options))
+
+    async def _timed(self, work: Coroutine[Any, Any, T]) -> T:
+        """`work` under the request timeout (503 past it), counted as in flight for the drain."""
         self.active += 1
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
-                return await self._batcher.embed(items, options)
+                return await work
         except TimeoutError:
             raise Unavailable(f"request timed out after {self.settings.request_timeout_s:g} s") from None
         finally:

@@ -428,11 +428,6 @@ class Settings(BaseSettings):
                 f"max_request_items ({self.max_request_items}) must not exceed max_queued_items "
                 f"({self.max_queued_items}): such a request could never be admitted"
             )
-        if self.max_request_segments > self.max_queued_items:
-            raise ValueError(
-                f"max_request_segments ({self.max_request_segments}) must not exceed max_queued_items "
-                f"({self.max_queued_items}): each segment is an item in flight"
-            )
         if self.min_audio_rate > self.max_audio_rate:
             raise ValueError(
                 f"min_audio_rate ({self.min_audio_rate}) must not exceed max_audio_rate ({self.max_audio_rate})"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings
-from eg2_runtime.engine import Engine
 from eg2_runtime.api import Estimate
+from eg2_runtime.engine import Engine
 from eg2_runtime.errors import EG2Error, InputTooLargeError, InputTooLongError
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from tests.support import media

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, w
 from app.server import Server, build_server
 from app.service import State
 from app.settings import Settings
-from eg2_runtime.api import EngineMemory, PreparedItem
+from eg2_runtime.api import EngineMemory, Estimate, PreparedItem, SegmentStream, Span, TokenCount
 from eg2_runtime.errors import (
     Cancelled,
     EG2Error,
     EngineOutOfMemory,
+    InputError,
     InputTooLargeError,
     InputTooLongError,
     MediaDecodeError,
@@ -168,11 +170,58 @@ class FakeEngine:
             n = self.max_text_tokens
         return PreparedItem(item.modality, n, n, inputs=(self.seed_of(item, options.prompt), text))
 
-    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[int | EG2Error]:
-        """As Engine.estimate_many: what prepare will count, before it runs."""
+    def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[Estimate | EG2Error]:
+        """As Engine.estimate_many: what prepare (and prepare_segments) will count, before it runs."""
         with self._lock:
             self.estimate_calls += 1
-        return [min(self.tokens(item, options), self.max_text_tokens) for item in items]
+        out: list[Estimate | EG2Error] = []
+        for item in items:
+            whole = min(self.tokens(item, options), self.max_text_tokens)
+            spans = [self.tokens(span, options) for span in self._spans(item)]
+            out.append(Estimate(whole, len(spans), sum(spans)))
+        return out
+
+    @staticmethod
+    def _spans(item: Item) -> list[Item]:
+        """A text item's spans: `tokens` words each (the fake counts a token per word)."""
+        if item.span_unit is None or not isinstance(item.parts[0], TextPart):
+            return []
+        words = item.parts[0].text.split()
+        size = int(item.span_unit)
+        return [Item((TextPart(" ".join(words[i : i + size])),)) for i in range(0, max(len(words), 1), size)]
+
+    def prepare_segments(
+        self, item: Item, options: PrepareOptions, cancel: threading.Event | None = None
+    ) -> SegmentStream:
+        """As Engine.prepare_segments, for text (spans of `tokens` words; offsets are word indices):
+        one step per span, then the item itself. Media items with segments are refused."""
+        if not isinstance(item.parts[0], TextPart):
+            raise InputError("the fake engine cuts text only")
+
+        def steps() -> Iterator[list[PreparedItem]]:
+            for i, span in enumerate(self._spans(item)):
+                if cancel is not None and cancel.wait(self.prepare_delay_s):
+                    raise Cancelled
+                p = self._prepare(span, options)
+                size = int(item.span_unit or 1)
+                yield [replace(p, span=Span(i, i * size, i * size + len(_text_of(span).split())))]
+            yield [self._prepare(Item(item.parts), options)]
+
+        return SegmentStream(steps())
+
+    def tokenize_many(
+        self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
+    ) -> list[TokenCount | EG2Error]:
+        """As Engine.tokenize_many: the tokens prepare counts (spans included), no model."""
+        out: list[TokenCount | EG2Error] = []
+        for item in items:
+            try:
+                prepared = [self._prepare(x, options) for x in [Item(item.parts), *self._spans(item)]]
+            except EG2Error as e:
+                out.append(e)
+                continue
+            out.append(TokenCount(tokens=sum(p.num_tokens for p in prepared), truncated=False))
+        return out
 
     def prepare_many(
         self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
