@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,7 +92,7 @@ def test_a_text_segment_equals_its_span_sent_alone(client: httpx.Client, overlap
     row = embed(client, input=[TEXT], **body)["data"][0]
     spans = [(s["start"], s["end"]) for s in row["segments"]]
     assert spans[0][0] == 0 and spans[-1][1] == len(TEXT) and len(spans) > 10, spans
-    for (a, b), (c, d) in zip(spans, spans[1:], strict=False):
+    for (a, b), (c, d) in itertools.pairwise(spans):
         assert a < c <= b <= d, (a, b, c, d)
         assert (c == b) == (overlap == 0), (a, b, c, d)  # overlap repeats text; none leaves no gap
     alone = embed(client, input=[TEXT[a:b] for a, b in spans], prompt_name="query")["data"]
