@@ -20,7 +20,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.settings import Settings, describe_default, env_name, flag_name
-from eg2_runtime.inputs import MATRYOSHKA_DIMS
+from eg2_runtime.errors import EG2Error
+from eg2_runtime.inputs import MATRYOSHKA_DIMS, Segments
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -179,6 +180,14 @@ def _embed(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {"as_json": args.json, "device": args.device}
     if args.dimensions is not None:
         kwargs["dimensions"] = args.dimensions
+    if args.segment_seconds is not None or args.segment_tokens is not None:
+        try:
+            kwargs["segments"] = Segments(
+                seconds=args.segment_seconds, tokens=args.segment_tokens, overlap=args.overlap
+            )
+        except EG2Error as e:
+            print(f"eg2 embed: {e.message}", file=sys.stderr)
+            return 2
     result = embed_cli(Path(model_dir), list(args.inputs), **kwargs)
     return result if isinstance(result, int) else 0
 
@@ -245,6 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("--dimensions", type=int, choices=sorted(MATRYOSHKA_DIMS))
     embed.add_argument("--json", action="store_true", help="print every full vector as a JSON line")
     embed.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    embed.add_argument(
+        "--segment-seconds", type=float, help="also embed spans of this many seconds of each audio or video"
+    )
+    embed.add_argument("--segment-tokens", type=int, help="also embed spans of this many tokens of each text")
+    embed.add_argument("--overlap", type=float, default=0.0, help="share of a span repeated in the next")
     embed.add_argument(
         "inputs", nargs="+", metavar="INPUT", help="text, or a path to an image/audio/video file"
     )

@@ -314,3 +314,21 @@ def test_tokenize_counts_equal_the_usage_of_the_same_request(client: httpx.Clien
     assert [p["type"] for p in data[0]["parts"]] == ["image_url", "input_audio"], data
     data = client.post("/tokenize", json=cases["segments"]).json()["data"]
     assert all(len(d["segments"]) > 1 for d in data), data
+
+
+def test_eg2_embed_writes_segments_as_json_lines(
+    tiny_fp32: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], client: httpx.Client
+) -> None:
+    import json
+
+    from eg2_runtime.inputs import Segments
+    from eg2_runtime.tools.embed import embed_cli
+
+    path = tmp_path / "clip.wav"
+    path.write_bytes(wav(NOISE[: 25 * RATE]))
+    assert embed_cli(tiny_fp32, [str(path)], as_json=True, device="cpu", segments=Segments(seconds=10)) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x.get("start"), x.get("end")) for x in lines] == [(0, 10), (10, 20), (20, 25), (None, None)]
+    served = embed(client, input=[audio_part(path.read_bytes())], segments={"seconds": 10})["data"][0]
+    for line, seg in zip(lines, [*served["segments"], served], strict=True):
+        assert_close(np.asarray(line["embedding"], np.float32), vec(seg), "eg2 embed against the server")
