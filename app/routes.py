@@ -147,6 +147,7 @@ async def create_embeddings(request: Request, service: ServiceDep) -> Response:
 @router.post(
     "/tokenize",
     response_model=TokenizeResponse,
+    response_model_exclude_none=True,
     responses=_ERRORS,
     openapi_extra=_TOKENIZE_BODY,
     summary="Count each item's tokens as an embeddings request would, without running the model",

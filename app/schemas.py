@@ -344,8 +344,8 @@ def parse_body(body: bytes, kind: type[R], *, max_items: int) -> R:
 
 
 class SegmentData(BaseModel):
-    start: float = Field(description="seconds (audio, video) or a character offset (text)")
-    end: float
+    start: int | float = Field(description="seconds (audio, video) or a character offset (text)")
+    end: int | float
     embedding: list[float] | str
     scale: float | None = Field(None, description="int8 only: the row's value is embedding x scale")
 
@@ -378,8 +378,8 @@ class TokenizePart(BaseModel):
 
 
 class TokenizeSegment(BaseModel):
-    start: float
-    end: float
+    start: int | float = Field(description="seconds (audio, video) or a character offset (text)")
+    end: int | float
     tokens: int
 
 

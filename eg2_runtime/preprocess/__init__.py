@@ -5,6 +5,7 @@ image.py         decode, EXIF, RGB, resize to the soft-token budget, patches and
 audio.py         decode, downmix, resample to 16 kHz, log-mel features and mask
 video.py         decode, 1 fps sampling (<= 32 frames), per-frame patches
 layout.py        the token sequence: markers, placeholders, truncation; `Prepared`
+segments.py      where the spans of an item with segments lie (audio, video and text alike)
 preprocessor.py  `Preprocessor`: all of the above for one model directory
 limits.py        decoder errors as client-safe reasons (the limits: eg2_runtime.inputs.MediaLimits)
 """
