@@ -616,7 +616,7 @@ class Batcher:
                     return
                 self._enqueue(request, [(index, p) for p in step], hold=media)
             request.settle(1)  # the stream is done; its rows may still be on the way
-        except EG2Error as exc:
+        except Exception as exc:  # an input error, Cancelled once the request ended, or a bug (500)
             request.failed += 1
             request.fail(exc)
         finally:

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.batcher import INLINE_MAX_ITEMS, Batcher, Embedded
 from app.errors import Overloaded, classify
 from app.metrics import Metrics
-from eg2_runtime.errors import EngineOutOfMemory
-from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.errors import EngineOutOfMemory, InputTooLargeError
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, Segments, TextPart
 from tests.support.fake_engine import FORWARD_BUG, PREPARE_BUG, FakeEngine, assert_error, live, make_settings
 
 T = TypeVar("T")
@@ -566,3 +566,78 @@ def test_oom_split_and_bad_item_isolation_over_http() -> None:
             np.testing.assert_allclose(got, np.stack([FakeEngine.expected(t) for t in texts[i]]), atol=1e-7)
         assert metric(s.url, "eg2_batch_splits_total", reason="oom") >= 1
         assert max(engine.batch_sizes()) > 2, "requests were never batched together"
+
+
+# --- items with segments: streams through the batcher ----------------------------------------------
+
+SEG = Segments(tokens=64)  # the FakeEngine cuts text into spans of `tokens` words
+
+
+def test_segments_join_the_batches_as_ordinary_items() -> None:
+    """A text of 150 words in spans of 64: three spans and the item itself come back in order, each the
+    vector of its span alone; while the GPU is busy they queue, and the next batch carries them beside
+    another request's item."""
+    engine = FakeEngine()
+    text = " ".join(f"w{i}" for i in range(150))
+
+    async def body(b: Batcher) -> tuple[Embedded, Embedded]:
+        engine.stall()
+        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
+        await until(lambda: len(engine.batches) == 1)
+        long = asyncio.create_task(b.embed([Item((TextPart(text),), SEG)], OPTS))
+        other = asyncio.create_task(b.embed(items("another request"), OPTS))
+        await until(lambda: b.queued() == 5)
+        assert b.admitted == 1 + 1 + 3 + 1, "each span is an item in flight"
+        engine.release()
+        await busy
+        return await long, await other
+
+    long, other = run(engine, body)
+    check_rows(other, ["another request"])
+    spans, rows = long.segments[0]
+    assert [(s.start, s.end) for s in spans] == [(0, 64), (64, 128), (128, 150)]
+    words_ = text.split()
+    for span, row in zip(spans, rows, strict=True):
+        np.testing.assert_allclose(
+            row, FakeEngine.expected(" ".join(words_[int(span.start) : int(span.end)]))
+        )
+    np.testing.assert_allclose(long.vectors[0], FakeEngine.expected(text))
+    assert long.num_tokens == sum(
+        FakeEngine().tokens(Item((TextPart(t),)), OPTS)
+        for t in [text, *(" ".join(words_[a : a + 64]) for a in (0, 64, 128))]
+    )
+    shared = [
+        batch
+        for batch in engine.batches
+        if {p.inputs[1] for p in batch} >= {"another request"} and any(p.span for p in batch)
+    ]
+    assert shared, f"no batch held spans beside another request's item: {engine.batch_sizes()}"
+
+
+def test_an_ended_request_stops_its_stream() -> None:
+    """Cancelled while a span is being prepared: the step stops at once (the cancel flag), no later
+    step starts, and nothing stays admitted."""
+    engine = FakeEngine(prepare_delay_s=30)
+    text = " ".join(f"w{i}" for i in range(300))
+
+    async def body(b: Batcher) -> None:
+        task = asyncio.create_task(b.embed([Item((TextPart(text),), SEG)], OPTS))
+        await until(lambda: b._preparing["text"] == 1)
+        task.cancel()
+        await until(lambda: b.admitted == 0 and not +b._preparing, timeout=2)
+
+    start = time.monotonic()
+    run(engine, body)
+    assert time.monotonic() - start < 10 and engine.prepare_calls == 0
+
+
+def test_too_many_segments_are_refused_before_any_work() -> None:
+    engine = FakeEngine()
+    text = " ".join(f"w{i}" for i in range(300))  # 5 spans of 64 words
+
+    async def body(b: Batcher) -> None:
+        with pytest.raises(InputTooLargeError, match=r"5 segments.*max_request_segments"):
+            await b.embed([Item((TextPart(text),), SEG)], OPTS)
+
+    run(engine, body, max_request_segments=4)
+    assert engine.prepare_calls == 0 and not engine.prepare_jobs
