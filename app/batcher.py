@@ -584,7 +584,12 @@ class Batcher:
         modality = item.modality
         media = modality != "text"
         per_step = -(-estimate.span_tokens // max(estimate.spans, 1)) if media else 0
-        stream = self._engine.prepare_segments(item, options, request.cancel)
+        try:
+            stream = self._engine.prepare_segments(item, options, request.cancel)
+        except Exception as exc:
+            request.failed += 1
+            request.fail(exc)
+            return
         try:
             while not request.dead:
                 if media:

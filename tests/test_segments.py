@@ -332,3 +332,15 @@ def test_eg2_embed_writes_segments_as_json_lines(
     served = embed(client, input=[audio_part(path.read_bytes())], segments={"seconds": 10})["data"][0]
     for line, seg in zip(lines, [*served["segments"], served], strict=True):
         assert_close(np.asarray(line["embedding"], np.float32), vec(seg), "eg2 embed against the server")
+
+
+def test_text_spans_move_on_past_characters_of_several_tokens(tiny_fp32: Path) -> None:
+    """'𐍈' is 4 byte-fallback tokens sharing one character's offsets: a cut can only fall between
+    characters, so a span of 3 tokens holds one whole character, and the spans still cover the text."""
+    from eg2_runtime.preprocess import Preprocessor
+
+    pre = Preprocessor.from_dir(tiny_fp32)
+    text = "ab𐍈𐍈c𐍈"
+    spans = pre._text_spans(text, 3, 0.0)
+    assert spans == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6)], spans
+    assert pre._text_spans(text, 3, 0.4)[-1][1] == len(text)

@@ -441,10 +441,15 @@ class Preprocessor:
         out: list[tuple[int, int]] = []
         first, lo = 0, 0  # the span's first token and its first character
         while True:
-            if first + size >= n:
+            # Tokens of one character (byte fallback) share its offsets: cut after `lo` at the least.
+            at = starts[first + size] if first + size < n else len(text)
+            if at <= lo:
+                after = bisect.bisect_right(starts, lo)
+                at = starts[after] if after < n else len(text)
+            if at >= len(text):
                 out.append((lo, len(text)))
                 return out
-            end = self._cut_before(text, lo, starts[first + size])
+            end = self._cut_before(text, lo, at)
             out.append((lo, end))
             nxt = end if step >= size else self._cut_before(text, lo, starts[first + step])
             lo = nxt if lo < nxt <= end else end
