@@ -23,12 +23,20 @@ import httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from fake_engine import LiveServer, assert_error, audio_part, image_part, live, make_settings, video_part
 from prometheus_client.parser import text_string_to_metric_families
 
 from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.preprocess import audio as audio_pre
-from tests import media
+from tests.support import media
+from tests.support.fake_engine import (
+    LiveServer,
+    assert_error,
+    audio_part,
+    image_part,
+    live,
+    make_settings,
+    video_part,
+)
 
 TOL = 1e-5  # FP32 on the CPU: a span in a batch of spans against the span alone
 RATE = 16_000
