@@ -9,7 +9,8 @@
 Configurations, run one after the other, each in a process of its own (this one only orchestrates:
 it never touches the GPU):
     a       our engine, hybrid-w4 checkpoint, its defaults: Engine.prepare_many + embed    benchmarks/inprocess.py
-    b       our engine, the BF16 checkpoint the w4 was made from                           benchmarks/inprocess.py
+    b       our engine, the BF16 checkpoint the w4 was made from, with (a)'s working memory benchmarks/inprocess.py
+            (its budget: (a)'s plus what its weights add), so (a) / (b) compares weights only
     c       transformers + sentence-transformers, BF16, in-process: the reference          benchmarks/inprocess.py
     d       `eg2 serve` on the w4 checkpoint, called over loopback HTTP by client processes benchmarks/served.py
     d-text  the same with --modalities text (the text workloads only)
@@ -73,11 +74,15 @@ class Config:
     modalities: tuple[str, ...] | None = None
     gpu_memory_mib: int | None = None
     sweep: bool = True
+    # The w4 configuration's default budget plus the bytes this checkpoint's weights add over the
+    # w4 one's: the same working memory (graph pool, batch limits), so packed / BF16 compares the
+    # weights' format, not two memory plans.
+    matched_budget: bool = False
 
 
 CONFIGS = (
     Config("a", "ours, hybrid-w4, in-process", "engine", "w4", 150),
-    Config("b", "ours, BF16, in-process", "engine", "bf16", 150),
+    Config("b", "ours, BF16, in-process, w4's working memory", "engine", "bf16", 150, matched_budget=True),
     Config("c", "transformers + sentence-transformers, BF16, in-process", "reference", "bf16", 180),
     Config("d", "eg2 serve, hybrid-w4, over HTTP", "server", "w4", 120),
     Config(
@@ -276,7 +281,11 @@ def run(opts: Options) -> dict[str, Any]:
                             )
                         figures = _served(cfg, model_dir, workloads, opts, pool, limit, t_origin, progress)
                     else:
-                        figures = _inprocess(cfg, model_dir, opts, tmp, limit, t_origin, progress)
+                        budget_bytes = matched_budget(bf16, w4) if cfg.matched_budget else None
+                        head["gpu_memory_mib"] = budget_bytes // (1 << 20) if budget_bytes else None
+                        figures = _inprocess(
+                            cfg, model_dir, opts, tmp, limit, t_origin, progress, budget_bytes
+                        )
                 except Stopped as stopped:  # keep what the configuration measured before the signal
                     if stopped.args:
                         results["configs"][cfg.key] = head | stopped.args[0]
@@ -320,8 +329,24 @@ def _workloads(bf16: Path, opts: Options, path: Path) -> Workloads:
     return workloads
 
 
+def matched_budget(bf16: Path, w4: Path) -> int:
+    """The w4 engine's default budget plus what the BF16 weight files add over the w4 ones (the text
+    weights are the same in both; the towers' Linears are BF16 in one, packed in the other)."""
+    from eg2_runtime.memory_plan import DEFAULT_MEDIA_BUDGET
+
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    return DEFAULT_MEDIA_BUDGET + max(0, size(bf16) - size(w4))
+
+
 def _inprocess(
-    cfg: Config, model_dir: Path, opts: Options, tmp: Path, limit: float, t_origin: float, progress: Progress
+    cfg: Config,
+    model_dir: Path,
+    opts: Options,
+    tmp: Path,
+    limit: float,
+    t_origin: float,
+    progress: Progress,
+    gpu_memory_budget: int | None = None,
 ) -> dict[str, Any]:
     """(a), (b) or (c) in a child process, its memory sampled from here. A child past `limit` is
     killed; its JSON, rewritten after every cell, keeps what it measured."""
@@ -339,6 +364,7 @@ def _inprocess(
         # Engine.warm_up's batch as `eg2 serve` runs it on a GPU with its default settings.
         "max_batch_items": Settings.model_fields["max_batch_items"].default,
         "max_batch_tokens": GPU_BATCH_TOKENS,
+        "gpu_memory_budget": gpu_memory_budget,  # bytes; None: the engine's default
         "t_origin": t_origin,
     }
     spec_path, out = tmp / f"{cfg.key}.spec.json", tmp / f"{cfg.key}.json"

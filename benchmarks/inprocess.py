@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from benchmarks.timing import Budget, Progress, cell_header, cell_line, failure, time_rounds  # noqa: E402
 from benchmarks.workloads import Input, Workload, Workloads  # noqa: E402
 from eg2_runtime.api import PreparedItem  # noqa: E402
-from eg2_runtime.engine import Engine  # noqa: E402
+from eg2_runtime.engine import Engine, EngineOptions  # noqa: E402
 from eg2_runtime.inputs import PrepareOptions  # noqa: E402
 
 OPTIONS = PrepareOptions()  # no prompt, the default 280-token image budget: what the reference does
@@ -355,7 +355,8 @@ def run_engine(
 ) -> None:
     quick, cuda = spec["quick"], spec["device"] == "cuda"
     t0 = time.perf_counter()
-    engine = Engine.from_dir(spec["model_dir"], device=spec["device"])
+    options = EngineOptions(gpu_memory_budget=spec.get("gpu_memory_budget"))
+    engine = Engine.from_dir(spec["model_dir"], device=spec["device"], options=options)
     r = engine.report
     run.data["load_s"] = time.perf_counter() - t0
     run.data["weights"] = {

@@ -62,8 +62,8 @@ class GraphPool:
     executable (kernel parameters: device memory outside the allocator). So what each capture
     really added is measured, as the process's GPU memory where NVML can read it (else the
     allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is captured while
-    that total plus its estimate fits the budget. Past it, the bucket runs eagerly. `budget` None:
-    no bound (tests, the CPU path).
+    that total plus what its estimate needs beyond the pool's idle blocks fits the budget. Past it
+    the bucket is refused, and batches take smaller buckets in more replays. `budget` None: no bound.
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
@@ -73,7 +73,21 @@ class GraphPool:
         self.used = 0  # measured bytes the captures added
 
     def admits(self, estimate: int) -> bool:
-        return self.budget is None or self.used + estimate <= self.budget
+        """Whether a capture estimated at `estimate` activation bytes fits the budget. What it takes
+        beyond the pool's idle blocks (those earlier captures freed: graphs never run at once, so a
+        new capture reuses them) is what it adds."""
+        if self.budget is None:
+            return True
+        return self.used + max(0, estimate - self.idle()) <= self.budget
+
+    def idle(self) -> int:
+        """Bytes the pool holds but no live tensor uses: reserved less allocated once the ordinary
+        cache is emptied (a graph pool's blocks stay reserved while its graphs live). 0 on a CPU."""
+        if self.handle is None or self.used == 0:
+            return 0
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return max(0, torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
 
     def _now(self) -> int:
         torch.cuda.synchronize()
@@ -159,8 +173,10 @@ class GraphedTextEncoder:
         # live at a time), allocated on first use like any activation.
         self.embeds: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
-        self.pool = pool if pool is not None or not self.capture else GraphPool(None)
+        self.pool = pool if pool is not None else GraphPool(None)
         self.graphs: dict[tuple[int, int], _Captured] = {}
+        # Buckets the pool's budget refused: a batch takes the next smaller one, in more replays.
+        self.refused: set[tuple[int, int]] = set()
         self.capture_seconds = 0.0
 
     def bucket(self, batch: int, length: int) -> tuple[int, int] | None:
@@ -171,8 +187,10 @@ class GraphedTextEncoder:
         return bb, tb
 
     def rows(self, length: int) -> int:
-        """The most rows one bucket of this length holds; 0 when none does (the batch runs eagerly)."""
-        return max((b for b in BATCH_LADDER if self.bucket(b, length) is not None), default=0)
+        """The most rows one bucket of this length holds, of those the pool has not refused; 0 when
+        none does (the batch runs eagerly)."""
+        ok = lambda b: (k := self.bucket(b, length)) is not None and k not in self.refused  # noqa: E731
+        return max((b for b in BATCH_LADDER if ok(b)), default=0)
 
     def buckets(self) -> Iterator[tuple[int, int]]:
         """Every bucket within the bounds, largest first (the pool is then sized once)."""
@@ -181,24 +199,36 @@ class GraphedTextEncoder:
 
     def __call__(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
         """(B, D) fp32 unit vectors, or None when no bucket holds rows of this length (run it eagerly).
-        More rows than the largest bucket holds run as several replays of it."""
+        More rows than the largest bucket holds run as several replays of it; a bucket the pool
+        refuses hands its rows to smaller ones."""
         b, t, _ = embeds.shape
-        rows = self.rows(t)
-        if rows == 0:
-            return None
-        parts = [self._replay(embeds[i : i + rows], valid[i : i + rows]) for i in range(0, b, rows)]
+        parts: list[torch.Tensor] = []
+        i = 0
+        while i < b:
+            rows = self.rows(t)
+            if rows == 0:
+                return None
+            part = self._replay(embeds[i : i + rows], valid[i : i + rows])
+            if part is not None:
+                parts.append(part)
+                i += part.shape[0]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _replay(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _replay(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+        """The rows through the smallest bucket that holds them and the pool has not refused; None
+        when that bucket's capture is refused now (the caller asks again, with fewer rows)."""
         b, t, _ = embeds.shape
-        key = self.bucket(b, t)
+        ok = lambda k: k is not None and k not in self.refused  # noqa: E731
+        key = next(k for r in BATCH_LADDER if r >= b and ok(k := self.bucket(r, t)))
         assert key is not None
+        captured = self.graphs.get(key) or self._capture(key)
+        if captured is None:
+            return None
         x, v = self._inputs(key)
         x.zero_()
         v.zero_()
         x[:b, :t].copy_(embeds)
         v[:b, :t].copy_(valid)
-        captured = self.graphs.get(key) or self._capture(key)
         if captured.graph is None:
             return self._step(x, v)[:b]
         captured.graph.replay()
@@ -209,7 +239,7 @@ class GraphedTextEncoder:
         """Capture these buckets now (service boot) rather than on first use, those within the
         bounds, largest first (see GraphPool). Returns how many graphs there are."""
         for key in sorted(keys, key=lambda k: -k[0] * k[1]):
-            if self.bucket(*key) == key and key not in self.graphs:
+            if self.bucket(*key) == key and key not in self.graphs and key not in self.refused:
                 self._capture(key)
         return len(self.graphs)
 
@@ -225,14 +255,15 @@ class GraphedTextEncoder:
     def _step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return pool(self.encoder(x, v, static=True, lean=True).float(), v)
 
-    def _capture(self, key: tuple[int, int]) -> _Captured:
-        if not self.capture:
-            self.graphs[key] = _Captured(None, None)
-            return self.graphs[key]
+    def _capture(self, key: tuple[int, int]) -> _Captured | None:
+        """The bucket's graph, captured now; None (and the bucket refused for good) when the pool's
+        budget does not hold it. Without `capture`, the padded step runs eagerly each time."""
         assert self.pool is not None
-        estimate = self.token_bytes * key[0] * key[1]
-        if not self.pool.admits(estimate):
-            log.info("text graph %s would not fit the graph pool's budget; it runs eagerly", key)
+        if not self.pool.admits(self.token_bytes * key[0] * key[1]):
+            log.info("text graph %s would not fit the graph pool's budget: smaller buckets take it", key)
+            self.refused.add(key)
+            return None
+        if not self.capture:
             self.graphs[key] = _Captured(None, None)
             return self.graphs[key]
         t0 = time.perf_counter()
@@ -241,10 +272,10 @@ class GraphedTextEncoder:
                 graph, out = capture_graph(self._step, self._inputs(key), self.pool.handle)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
-            # It runs its padded step eagerly instead, which frees its activations after each call.
-            log.warning("text graph %s does not fit the memory budget; it runs eagerly", key)
-            self.graphs[key] = _Captured(None, None)
-            return self.graphs[key]
+            log.warning("text graph %s does not fit the memory budget: smaller buckets take it", key)
+            torch.cuda.empty_cache()
+            self.refused.add(key)
+            return None
         self.graphs[key] = _Captured(graph, out)
         self.capture_seconds += time.perf_counter() - t0
         log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))

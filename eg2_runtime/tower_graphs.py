@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -81,8 +82,10 @@ class GraphedTowers:
         device = model.language_model.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
         self.unpacker = model.unpacker  # on packed towers: its side-stream unpacks join the graphs
-        self.pool = pool if pool is not None or not self.capture else GraphPool(None)
+        self.pool = pool if pool is not None else GraphPool(None)
         self.graphs: dict[tuple[str, int, int], _Captured] = {}
+        # Buckets the pool's budget refused: a batch takes the next smaller one, in more replays.
+        self.refused: set[tuple[str, int, int]] = set()
         self.capture_seconds = 0.0
         self.graphing = True  # False inside eager(): every call runs the towers eagerly, chunked
 
@@ -100,53 +103,70 @@ class GraphedTowers:
 
     def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, H), images in order."""
-        n, s, _ = pixels.shape
-        rows = max((r for r in ITEM_LADDER if r * s <= self.vision_slots), default=0)
-        if (
-            rows == 0 or not self.graphing
-        ):  # no bucket holds one image of this size: eager, within the tower bound
-            step = max(1, self.tower_slots // s)
-            return _chunked(self.model.image_soft_tokens, n, step, pixels, positions)
+        _, s, _ = pixels.shape
 
-        def one(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-            nb = rung(ITEM_LADDER, p.shape[0])
-            assert nb is not None
+        def eager(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # within the tower bound
+            return _chunked(self.model.image_soft_tokens, p.shape[0], max(1, self.tower_slots // s), p, q)
 
-            def buffers() -> tuple[torch.Tensor, ...]:
-                return (
-                    torch.zeros((nb, *p.shape[1:]), dtype=p.dtype, device=p.device),
-                    torch.full((nb, *q.shape[1:]), -1, dtype=q.dtype, device=q.device),
-                )
+        def buffers(nb: int) -> tuple[torch.Tensor, ...]:
+            return (
+                torch.zeros((nb, *pixels.shape[1:]), dtype=pixels.dtype, device=pixels.device),
+                torch.full((nb, *positions.shape[1:]), -1, dtype=positions.dtype, device=positions.device),
+            )
 
-            return self._run(("image", nb, s), buffers, (0.0, -1.0), self._image_step, (p, q), p.shape[0])
-
-        return _chunked(one, n, rows, pixels, positions)
+        return self._buckets(
+            "image", s, lambda r: r * s <= self.vision_slots, buffers, (0.0, -1.0), self._image_step,
+            (pixels, positions), eager,
+        )  # fmt: skip
 
     def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, F, bins) log-mel, (B, F) mask -> (n_soft, H): each clip's valid steps, clips in order."""
-        b, f, _ = features.shape
+        _, f, bins = features.shape
         fb = rung(FRAME_LADDER, f)
-        fits = lambda r: fb is not None and r * fb <= FRAMES_PER_TOKEN * self.audio_tokens  # noqa: E731
-        rows = max((r for r in ITEM_LADDER if fits(r)), default=0)
-        if fb is None or rows == 0 or not self.graphing:
+        if fb is None:
             return self.model.audio_soft_tokens(features, mask)
         dtype = self.model.dtype
 
-        def one(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            bb = rung(ITEM_LADDER, x.shape[0])
-            assert bb is not None
-
-            def buffers() -> tuple[torch.Tensor, ...]:
-                return (
-                    torch.zeros((bb, fb, x.shape[2]), dtype=dtype, device=x.device),
-                    torch.zeros((bb, fb), dtype=torch.bool, device=x.device),
-                )
-
-            return self._run(
-                ("audio", bb, fb), buffers, (0.0, 0.0), self._audio_step, (x.to(dtype), m.bool()), x.shape[0]
+        def buffers(bb: int) -> tuple[torch.Tensor, ...]:
+            return (
+                torch.zeros((bb, fb, bins), dtype=dtype, device=features.device),
+                torch.zeros((bb, fb), dtype=torch.bool, device=features.device),
             )
 
-        return _chunked(one, b, rows, features, mask)
+        return self._buckets(
+            "audio", fb, lambda r: r * fb <= FRAMES_PER_TOKEN * self.audio_tokens, buffers, (0.0, 0.0),
+            self._audio_step, (features.to(dtype), mask.bool()), self.model.audio_soft_tokens,
+        )  # fmt: skip
+
+    def _buckets(
+        self,
+        kind: str,
+        size: int,
+        fits: Callable[[int], bool],
+        buffers: Callable[[int], tuple[torch.Tensor, ...]],
+        fills: tuple[float, ...],
+        step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        inputs: tuple[torch.Tensor, torch.Tensor],
+        eager: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The items of `inputs` through buckets (kind, rows, size): as many rows per replay as the
+        largest bucket that `fits` and the pool has not refused holds, each chunk in the smallest
+        such bucket that holds it; `eager` (unpadded) for what no bucket holds."""
+        n, parts, i = inputs[0].shape[0], [], 0
+        while i < n:
+            usable = [r for r in ITEM_LADDER if fits(r) and (kind, r, size) not in self.refused]
+            if not usable or not self.graphing:
+                parts.append(eager(*(x[i:] for x in inputs)))
+                break
+            rows = min(max(usable), n - i)
+            nb = min(r for r in usable if r >= rows)
+            part = self._run(
+                (kind, nb, size), partial(buffers, nb), fills, step, tuple(x[i : i + rows] for x in inputs)
+            )
+            if part is not None:
+                parts.append(part)
+                i += rows
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def capture_startup(self, image_tokens: int | None, audio: bool) -> None:
         """Capture the one-item buckets short requests take: an image of `image_tokens` soft tokens,
@@ -187,9 +207,12 @@ class GraphedTowers:
         fills: tuple[float, ...],
         step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
         inputs: tuple[torch.Tensor, ...],
-        n: int,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        """The inputs' items through bucket `key`; None when its capture is refused now."""
         captured = self.graphs.get(key) or self._capture(key, buffers(), fills, step)
+        if captured is None:
+            return None
+        n = inputs[0].shape[0]
         for static, fill, x in zip(captured.inputs, captured.fills, inputs, strict=True):
             if x.shape != static.shape:
                 static.fill_(fill)  # what the rows and columns past the input hold
@@ -212,17 +235,19 @@ class GraphedTowers:
         inputs: tuple[torch.Tensor, ...],
         fills: tuple[float, ...],
         step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-    ) -> _Captured:
-        if not self.capture:
-            self.graphs[key] = _Captured(None, inputs, fills, None)
-            return self.graphs[key]
+    ) -> _Captured | None:
+        """The bucket's graph, captured now; None (and the bucket refused for good) when the pool's
+        budget does not hold it. Without `capture`, the padded step runs eagerly each time."""
         kind, n, size = key
         estimate = (
             n * size * (self.slot_bytes if kind == "image" else self.audio_token_bytes // FRAMES_PER_TOKEN)
         )
         assert self.pool is not None
         if not self.pool.admits(estimate):
-            log.info("tower graph %s would not fit the graph pool's budget; it runs eagerly", key)
+            log.info("tower graph %s would not fit the graph pool's budget: smaller buckets take it", key)
+            self.refused.add(key)
+            return None
+        if not self.capture:
             self.graphs[key] = _Captured(None, inputs, fills, None)
             return self.graphs[key]
         t0 = time.perf_counter()
@@ -232,10 +257,10 @@ class GraphedTowers:
                 graph, outputs = capture_graph(step, inputs, self.pool.handle, around)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
-            # It runs its padded step eagerly instead, which frees its activations after each call.
-            log.warning("tower graph %s does not fit the memory budget; it runs eagerly", key)
-            self.graphs[key] = _Captured(None, inputs, fills, None)
-            return self.graphs[key]
+            log.warning("tower graph %s does not fit the memory budget: smaller buckets take it", key)
+            torch.cuda.empty_cache()
+            self.refused.add(key)
+            return None
         self.graphs[key] = _Captured(graph, inputs, fills, outputs)
         self.capture_seconds += time.perf_counter() - t0
         log.info("captured %s tower graph %s in %.0f ms", key[0], key[1:], 1e3 * (time.perf_counter() - t0))

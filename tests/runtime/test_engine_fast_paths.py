@@ -1,7 +1,8 @@
 """The engine's fast paths against their reference paths, on the CPU with the tiny checkpoint:
 
 - the graphed text encoder's bucket padding (graphs.py, run eagerly here; the captured graphs are
-  checked against the same reference on the H200 in test_gpu.py);
+  checked against the same reference on the H200 in test_gpu.py), and smaller buckets taking the
+  rows of one the graph pool's budget refuses;
 - splitting a large call into several forwards (max_forward_tokens);
 - prepare_many (threads + one tokenizer call) against prepare one by one.
 """
@@ -17,7 +18,7 @@ import torch
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EG2Error
-from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, GraphedTextEncoder
+from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
 from eg2_runtime.model import pool
@@ -84,6 +85,31 @@ def test_rows_past_the_largest_bucket_replay_in_chunks(encoder: GraphedTextEncod
     err = (got - expected).abs().max().item()
     assert err <= TOL, f"chunked replays: max abs diff {err:.2e} > {TOL}"
     assert {(32, 32), (8, 32)} <= set(encoder.graphs), "32 + 32 + 6 rows"
+
+
+def test_a_bucket_the_pool_refuses_hands_its_rows_to_smaller_ones(tiny_fp32: Path) -> None:
+    """A pool whose budget holds buckets of up to 4 x 32 tokens: 11 rows of 20 tokens, allowed
+    (16, 32) by max_tokens, take (4, 32) replays (4 + 4 + 3) instead of one refused (16, 32) run
+    eagerly at its padded size; the result is the reference's, and the refusals are remembered."""
+    model, _ = load_model(tiny_fp32, "cpu")
+    token_bytes = 1000
+    budget = GraphPool(4 * 32 * token_bytes)
+    encoder = GraphedTextEncoder(
+        model.language_model, 1024, pool=budget, token_bytes=token_bytes, capture=False
+    )
+    torch.manual_seed(2)
+    lengths = [1 + (5 * i) % 20 for i in range(11)]
+    embeds = torch.randn(11, 20, encoder.encoder.cfg.hidden_size)
+    valid = torch.arange(20)[None, :] < torch.tensor(lengths)[:, None]
+    with torch.inference_mode():
+        expected = pool(encoder.encoder(embeds, valid).float(), valid)
+        got = encoder(embeds, valid)
+    assert got is not None and got.shape == expected.shape
+    err = (got - expected).abs().max().item()
+    assert err <= TOL, f"replays of smaller buckets: max abs diff {err:.2e} > {TOL}"
+    assert set(encoder.graphs) == {(4, 32)}, "4 + 4 + 3 rows, the last padded to the same bucket"
+    assert {(32, 32), (16, 32), (8, 32)} <= encoder.refused
+    assert encoder.rows(20) == 4
 
 
 def _texts(n: int) -> list[Item]:

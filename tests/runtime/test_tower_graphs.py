@@ -14,6 +14,7 @@ import torch
 
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
+from eg2_runtime.graphs import GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers
 
@@ -140,3 +141,24 @@ def test_batches_past_the_largest_bucket_run_as_several(
     assert sorted(k[1] for k in towers.graphs) == [1, 2], "5 images run as 2 + 2 + 1"
     assert not eager.graphs, "no bucket holds an image: the tower runs eagerly"
     assert [k[1] for k in audio.graphs] == [1], "one clip per bucket"
+
+
+def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engine) -> None:
+    """A pool whose budget holds 2 images' patch slots: 5 images the plan's bound allows in one
+    bucket of 8 run as buckets of 2, 2 and 1 (not as a refused bucket of 8 padded and run eagerly);
+    a clip bucket the pool refuses at every size leaves the clips to the eager tower, unpadded."""
+    images = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(5)]
+    _, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
+    s = pixels.shape[1]
+    towers = GraphedTowers(
+        engine.model, capture=False, pool=GraphPool(2 * s * 1000), slot_bytes=1000, **UNBOUNDED
+    )
+    clips = [Item((MediaPart("audio", samples.wav(0.3 + 0.4 * i, hz=300 + 50 * i)),)) for i in range(3)]
+    _, (features, mask) = _towers_and(engine, clips, "input_features", "input_features_mask")
+    audio = GraphedTowers(engine.model, capture=False, pool=GraphPool(0), audio_token_bytes=1000, **UNBOUNDED)
+    with torch.inference_mode():
+        _close(towers.image_soft_tokens(pixels, positions), engine.model.image_soft_tokens(pixels, positions))
+        _close(audio.audio_soft_tokens(features, mask), engine.model.audio_soft_tokens(features, mask))
+    assert sorted(k[1] for k in towers.graphs) == [1, 2], "5 images run as 2 + 2 + 1"
+    assert {("image", 8, s), ("image", 4, s)} <= towers.refused
+    assert not audio.graphs and audio.refused, "every clip bucket refused: the tower runs eagerly"
