@@ -283,8 +283,11 @@ def run(opts: Options) -> dict[str, Any]:
                     else:
                         budget_bytes = matched_budget(bf16, w4) if cfg.matched_budget else None
                         head["gpu_memory_mib"] = budget_bytes // (1 << 20) if budget_bytes else None
+                        # Where (a) kept the token table, so does (b): the same plan but the weights.
+                        a_host = results["configs"].get("a", {}).get("weights", {}).get("host_bytes")
+                        table = bool(a_host) if cfg.matched_budget and a_host is not None else None
                         figures = _inprocess(
-                            cfg, model_dir, opts, tmp, limit, t_origin, progress, budget_bytes
+                            cfg, model_dir, opts, tmp, limit, t_origin, progress, budget_bytes, table
                         )
                 except Stopped as stopped:  # keep what the configuration measured before the signal
                     if stopped.args:
@@ -347,6 +350,7 @@ def _inprocess(
     t_origin: float,
     progress: Progress,
     gpu_memory_budget: int | None = None,
+    host_token_table: bool | None = None,
 ) -> dict[str, Any]:
     """(a), (b) or (c) in a child process, its memory sampled from here. A child past `limit` is
     killed; its JSON, rewritten after every cell, keeps what it measured."""
@@ -365,6 +369,7 @@ def _inprocess(
         "max_batch_items": Settings.model_fields["max_batch_items"].default,
         "max_batch_tokens": GPU_BATCH_TOKENS,
         "gpu_memory_budget": gpu_memory_budget,  # bytes; None: the engine's default
+        "host_token_table": host_token_table,  # None: the memory plan decides
         "t_origin": t_origin,
     }
     spec_path, out = tmp / f"{cfg.key}.spec.json", tmp / f"{cfg.key}.json"

@@ -131,7 +131,10 @@ class MemoryPlan:
     graph_text_tokens: int  # text buckets hold Bb x Tb <= this
     graph_vision_slots: int  # image buckets hold Nb x S <= this
     graph_audio_tokens: int  # audio buckets hold Bb x Fb / 4 <= this
-    tower_slots: int  # an eager vision tower call takes at most this many patch slots
+    # An eager vision tower call takes at most this many patch slots: the eager share with the same
+    # room for fragmentation as a batch (H200: a 32-frame video's frames in chunks of the whole share
+    # ran out of memory beside a full graph pool).
+    tower_slots: int
     max_batch_tokens: dict[str, int]  # per modality: what one forward may take
     costs: ActivationCosts  # what the graphs estimate a bucket at before capturing it
 
@@ -196,7 +199,7 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
         graph_text_tokens=pool // costs.text_token,
         graph_vision_slots=pool // vision if vision else 0,
         graph_audio_tokens=pool // audio if audio else 0,
-        tower_slots=max(largest_image, eager // vision) if vision else 0,
+        tower_slots=max(largest_image, int(eager / (EAGER_MARGIN * vision))) if vision else 0,
         max_batch_tokens=limits,
         costs=costs,
     )

@@ -63,6 +63,7 @@ def test_default_budget_moves_the_table_and_sizes_the_graphs() -> None:
     assert p.graph_text_tokens >= MIN_GRAPH_TEXT_TOKENS
     assert p.graph_vision_slots >= 4 * 280 * 9
     assert p.tower_slots >= MAX_IMAGE_TOKENS * 9, "one image of the largest budget runs in one tower call"
+    assert EAGER_MARGIN * p.tower_slots * COSTS.vision_slot <= p.eager, "a tower chunk keeps the margin"
     assert set(p.max_batch_tokens) == {"text", "image", "video", "audio", "mixed"}
     assert p.max_batch_tokens["text"] >= 8192, "the longest text fits one batch"
     assert p.max_batch_tokens["audio"] >= 750, "one 30 s clip fits one batch"

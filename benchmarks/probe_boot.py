@@ -1,0 +1,163 @@
+"""Probe (GPU): an engine booted as `eg2 serve` boots it, then what each request shape runs through.
+
+    python -m benchmarks.probe_boot --out DIR [--checkpoint w4|bf16] [--modalities text]
+                                    [--budget-mib N] [--host-token-table]
+
+Generates (or reuses) the full-size random checkpoints of `eg2 bench`. After warm-up and the start-up
+captures it writes the plan, the graph pool's measured use and idle bytes, the captured and refused
+buckets; then, per request shape, the median embed time, the allocator's peak above what was held
+before, the process's GPU memory (NVML) and the buckets that shape added or had refused.
+Writes boot-<tag>.json into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from app.service import GPU_BATCH_TOKENS
+from benchmarks.workloads import checkpoints
+from eg2_runtime import samples
+from eg2_runtime.engine import Engine, EngineOptions
+from eg2_runtime.errors import EngineOutOfMemory
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.memory_plan import MIB
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wise",
+    "owls",
+    "watch",
+    "quietly",
+]
+
+
+def text(words: int, seed: int) -> Item:
+    rng = np.random.default_rng(seed)
+    return Item((TextPart(" ".join(str(w) for w in rng.choice(WORDS, size=words))),))
+
+
+def shapes() -> dict[str, tuple[list[Item], PrepareOptions]]:
+    image = Item((MediaPart("image", samples.png(641, 479)),))
+    clip = Item((MediaPart("audio", samples.wav(9.3)),))
+    return {
+        "query": ([text(14, 0)], PrepareOptions()),
+        "8 short": ([text(12 + i, i) for i in range(8)], PrepareOptions()),
+        "32 short": ([text(12 + i % 8, i) for i in range(32)], PrepareOptions()),
+        "64 docs": ([text(20 + (i * 7) % 40, i) for i in range(64)], PrepareOptions()),
+        "doc 2200": ([text(2100, 1)], PrepareOptions()),
+        "1 image": ([image], PrepareOptions()),
+        "4 images": ([image] * 4, PrepareOptions()),
+        "16 images": ([image] * 16, PrepareOptions()),
+        "1 clip": ([clip], PrepareOptions()),
+        "16 clips": ([clip] * 16, PrepareOptions()),
+        "video 8": ([Item((MediaPart("video", samples.mp4(8, width=640, height=480)),))], PrepareOptions()),
+        "video 32": ([Item((MediaPart("video", samples.mp4(32, width=640, height=480)),))], PrepareOptions()),
+    }
+
+
+def buckets(engine: Engine) -> tuple[set[str], set[str]]:
+    graphs, refused = set(), set()
+    for g in (engine.graphs, engine.towers):
+        if g is not None:
+            graphs |= {str(k) for k, c in g.graphs.items() if c.graph is not None}
+            refused |= {str(k) for k in g.refused}
+    return graphs, refused
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--checkpoint", choices=("w4", "bf16"), default="w4")
+    parser.add_argument("--modalities", default=None)
+    parser.add_argument("--budget-mib", type=int, default=None)
+    parser.add_argument("--host-token-table", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}"
+    with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (bf16, w4):
+        model_dir = w4 if args.checkpoint == "w4" else bf16
+        options = EngineOptions(
+            gpu_memory_budget=args.budget_mib * MIB if args.budget_mib else None,
+            host_token_table=True if args.host_token_table else None,
+        )
+        modalities = args.modalities.split(",") if args.modalities else None
+        engine = Engine.from_dir(model_dir, device="cuda", modalities=modalities, options=options)
+    out: dict[str, Any] = {"tag": tag, "plan": engine.plan.describe() if engine.plan else None}
+    nvml = lambda: engine.memory().get("process_gpu_bytes", 0) / MIB  # noqa: E731
+    out["load_mib"] = nvml()
+    try:
+        out["limits"] = engine.warm_up(64, GPU_BATCH_TOKENS)
+    except EngineOutOfMemory as e:
+        out["warm_up_error"] = str(e)
+    out["warmup_mib"] = nvml()
+    t0 = time.perf_counter()
+    out["graphs_at_start"] = engine.capture_graphs()
+    out["capture_s"] = time.perf_counter() - t0
+    pool = engine.graphs.pool if engine.graphs is not None else None
+    out["pool"] = {
+        "budget_mib": (pool.budget or 0) / MIB if pool else None,
+        "used_mib": pool.used / MIB if pool else None,
+        "idle_mib": pool.idle() / MIB if pool else None,
+    }
+    out["ready_mib"] = nvml()
+    graphs, refused = buckets(engine)
+    out["start_graphs"], out["start_refused"] = sorted(graphs), sorted(refused)
+    print(json.dumps(out), flush=True)
+    rows: dict[str, Any] = {}
+    for name, (items, opts) in shapes().items():
+        kinds = {p.kind for i in items for p in i.parts if isinstance(p, MediaPart)}
+        if any(k not in engine.modalities for k in kinds):
+            continue
+        prepared = [p for p in engine.prepare_many(items, opts)]
+        if any(not hasattr(p, "inputs") for p in prepared):
+            rows[name] = {"error": str(prepared)}
+            continue
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times: list[float] = []
+        row: dict[str, Any] = {}
+        try:
+            for _ in range(6):
+                t = time.perf_counter()
+                engine.embed(prepared)  # type: ignore[arg-type]
+                times.append(1e3 * (time.perf_counter() - t))
+        except EngineOutOfMemory as e:
+            row["error"] = str(e)
+        now_graphs, now_refused = buckets(engine)
+        row |= {
+            "tokens": sum(int(getattr(p, "num_tokens", 0)) for p in prepared),
+            "first_ms": times[0] if times else None,
+            "median_ms": float(np.median(times[2:])) if len(times) > 2 else None,
+            "peak_above_held_mib": (torch.cuda.max_memory_allocated() - held) / MIB,
+            "process_mib": nvml(),
+            "new_graphs": sorted(now_graphs - graphs),
+            "new_refused": sorted(now_refused - refused),
+            "pool_used_mib": pool.used / MIB if pool else None,
+        }
+        graphs, refused = now_graphs, now_refused
+        rows[name] = row
+        print(name, json.dumps(row), flush=True)
+    out["shapes"] = rows
+    (args.out / f"boot-{tag}.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
