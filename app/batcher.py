@@ -348,7 +348,10 @@ class Batcher:
         max_request_tokens: int,
         max_prepared_media_tokens: int,
         max_request_segments: int = 512,
+        gpu_thread: Threads | None = None,
     ) -> None:
+        """`gpu_thread`: the thread the engine was loaded on, to run its accelerator calls too (CUDA
+        keeps per-thread state, e.g. cuBLAS handles and their workspaces: one thread holds one set)."""
         self._engine = engine
         self._metrics = metrics
         self.max_batch_tokens = max_batch_tokens
@@ -362,7 +365,7 @@ class Batcher:
         self.media_budget = _MediaBudget(max_prepared_media_tokens)
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare")
-        self._gpu = Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
+        self._gpu = gpu_thread or Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
         self._queues: dict[str, _Queue] = {}
         # Items of admitted requests still in preprocessing, by modality: the companions worth waiting
         # for. With none on the way a batch runs at once (a lone request pays no queue delay).

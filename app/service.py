@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.batcher import Batcher, Embedded
+from app.batcher import Batcher, Embedded, Threads
 from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
 from app.schemas import InputRequest
@@ -197,8 +197,13 @@ class Service:
 
     async def _boot(self) -> None:
         try:
-            if self._engine is None:
-                self._engine = await asyncio.to_thread(load_engine, self.settings)
+            gpu = Threads(1, "eg2-gpu")  # loads the engine, then runs every accelerator call of it
+            try:
+                if self._engine is None:
+                    self._engine = await gpu.submit(load_engine, self.settings)
+            except BaseException:
+                gpu.close()
+                raise
             s = self.settings
             self._batcher = Batcher(
                 self._engine,
@@ -213,6 +218,7 @@ class Service:
                 max_request_tokens=s.max_request_tokens,
                 max_prepared_media_tokens=self.prepared_media_tokens(),
                 max_request_segments=s.max_request_segments,
+                gpu_thread=gpu,
             )
             self._batcher.start()
             await self._batcher.warmup()

@@ -124,7 +124,8 @@ def capture_graph(
         step(*inputs)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool), around():
+    # Captured on the warm-up's stream too: each stream cuBLAS runs on keeps a workspace of its own.
+    with torch.cuda.graph(graph, pool=pool, stream=side), around():
         out = step(*inputs)
     return graph, out
 
