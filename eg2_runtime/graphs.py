@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
 from eg2_runtime.model import pool
 from eg2_runtime.text import TextEncoder
 
@@ -73,12 +74,12 @@ class GraphPool:
         self.used = 0  # measured bytes the captures added
 
     def admits(self, estimate: int) -> bool:
-        """Whether a capture estimated at `estimate` activation bytes fits the budget. What it takes
-        beyond the pool's idle blocks (those earlier captures freed: graphs never run at once, so a
-        new capture reuses them) is what it adds."""
+        """Whether a capture estimated at `estimate` activation bytes fits the budget. It adds its
+        executable and what its activations take beyond the pool's idle blocks (those earlier
+        captures freed: graphs never run at once, so a new capture reuses them)."""
         if self.budget is None:
             return True
-        return self.used + max(0, estimate - self.idle()) <= self.budget
+        return self.used + GRAPH_EXECUTABLE + max(0, estimate - self.idle()) <= self.budget
 
     def idle(self) -> int:
         """Bytes the pool holds but no live tensor uses: reserved less allocated once the ordinary
@@ -187,11 +188,21 @@ class GraphedTextEncoder:
             return None
         return bb, tb
 
+    def _usable(self, rows: int, padded: int) -> bool:
+        return rows * padded <= self.max_tokens and (rows, padded) not in self.refused
+
+    def padded(self, length: int) -> int | None:
+        """The length a batch of `length` tokens pads to: the shortest rung that holds it and still
+        has a bucket the pool has not refused (a longer rung once every bucket of the shortest is
+        refused: more padding, still a graph). None: no rung does (the batch runs eagerly)."""
+        ok = lambda tb: tb >= length and any(self._usable(b, tb) for b in BATCH_LADDER)  # noqa: E731
+        return next((tb for tb in LENGTH_LADDER if ok(tb)), None)
+
     def rows(self, length: int) -> int:
-        """The most rows one bucket of this length holds, of those the pool has not refused; 0 when
+        """The most rows one bucket for this length holds, of those the pool has not refused; 0 when
         none does (the batch runs eagerly)."""
-        ok = lambda b: (k := self.bucket(b, length)) is not None and k not in self.refused  # noqa: E731
-        return max((b for b in BATCH_LADDER if ok(b)), default=0)
+        tb = self.padded(length)
+        return max((b for b in BATCH_LADDER if self._usable(b, tb)), default=0) if tb else 0
 
     def buckets(self) -> Iterator[tuple[int, int]]:
         """Every bucket within the bounds, largest first (the pool is then sized once)."""
@@ -219,9 +230,9 @@ class GraphedTextEncoder:
         """The rows through the smallest bucket that holds them and the pool has not refused; None
         when that bucket's capture is refused now (the caller asks again, with fewer rows)."""
         b, t, _ = embeds.shape
-        ok = lambda k: k is not None and k not in self.refused  # noqa: E731
-        key = next(k for r in BATCH_LADDER if r >= b and ok(k := self.bucket(r, t)))
-        assert key is not None
+        tb = self.padded(t)
+        assert tb is not None
+        key = next((r, tb) for r in BATCH_LADDER if r >= b and self._usable(r, tb))
         captured = self.graphs.get(key) or self._capture(key)
         if captured is None:
             return None

@@ -42,6 +42,12 @@ MIN_GRAPH_TEXT_TOKENS = 64 * 64
 # ~360 MiB under the cap against a 264 MB peak measured alone).
 EAGER_MARGIN = 1.4
 MIN_GRAPH_VISION_SLOTS = 280 * 9
+# What a captured graph holds outside its activations (the instantiated graph's kernel nodes): ~4 MiB
+# for the text encoder on the H200 (2026-12-01, benchmarks/probe_boot.py: 17 captures after the first
+# added 66 MiB, their activations within the pool's idle blocks). The pool counts it per graph, and
+# its minimum holds the start-up set's (Engine.capture_graphs: 16 text buckets, one per tower).
+GRAPH_EXECUTABLE = 4 * MIB
+STARTUP_GRAPHS = 18
 
 
 class BudgetTooSmall(ValueError):
@@ -206,8 +212,9 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
 
 
 def _minimum_pool(costs: ActivationCosts, modalities: frozenset[str]) -> int:
+    """The largest start-up bucket's activations and the start-up set's executables."""
     vision = MIN_GRAPH_VISION_SLOTS * costs.vision_slot if modalities & {"image", "video"} else 0
-    return max(MIN_GRAPH_TEXT_TOKENS * costs.text_token, vision)
+    return max(MIN_GRAPH_TEXT_TOKENS * costs.text_token, vision) + STARTUP_GRAPHS * GRAPH_EXECUTABLE
 
 
 def _largest_item(costs: ActivationCosts, modalities: frozenset[str], max_text_tokens: int) -> int:

@@ -21,6 +21,7 @@ from eg2_runtime.errors import EG2Error
 from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
 from eg2_runtime.model import pool
 
 TOL = 1e-5  # FP32 on the CPU: padding must not move a valid row beyond float rounding
@@ -93,7 +94,7 @@ def test_a_bucket_the_pool_refuses_hands_its_rows_to_smaller_ones(tiny_fp32: Pat
     eagerly at its padded size; the result is the reference's, and the refusals are remembered."""
     model, _ = load_model(tiny_fp32, "cpu")
     token_bytes = 1000
-    budget = GraphPool(4 * 32 * token_bytes)
+    budget = GraphPool(GRAPH_EXECUTABLE + 4 * 32 * token_bytes)  # one graph of at most 4 x 32 tokens
     encoder = GraphedTextEncoder(
         model.language_model, 1024, pool=budget, token_bytes=token_bytes, capture=False
     )
@@ -110,6 +111,29 @@ def test_a_bucket_the_pool_refuses_hands_its_rows_to_smaller_ones(tiny_fp32: Pat
     assert set(encoder.graphs) == {(4, 32)}, "4 + 4 + 3 rows, the last padded to the same bucket"
     assert {(32, 32), (16, 32), (8, 32)} <= encoder.refused
     assert encoder.rows(20) == 4
+
+
+def test_a_length_whose_buckets_are_all_refused_pads_to_a_longer_one(encoder: GraphedTextEncoder) -> None:
+    """Every bucket of length 32 refused: 5 rows of 20 tokens pad to 48 (a graph, more padding),
+    with the reference's result; every bucket of every length refused leaves the batch to eager."""
+    torch.manual_seed(3)
+    lengths = [20, 3, 17, 9, 20]
+    embeds = torch.randn(5, 20, encoder.encoder.cfg.hidden_size)
+    valid = torch.arange(20)[None, :] < torch.tensor(lengths)[:, None]
+    refused = set(encoder.refused)
+    encoder.refused |= {(b, 32) for b in BATCH_LADDER}
+    try:
+        assert encoder.padded(20) == 48
+        with torch.inference_mode():
+            expected = pool(encoder.encoder(embeds, valid).float(), valid)
+            got = encoder(embeds, valid)
+        assert got is not None
+        assert (got - expected).abs().max().item() <= TOL
+        assert (8, 48) in encoder.graphs
+        encoder.refused |= {(b, t) for b in BATCH_LADDER for t in LENGTH_LADDER}
+        assert encoder.rows(20) == 0 and encoder(embeds, valid) is None
+    finally:
+        encoder.refused = refused
 
 
 def _texts(n: int) -> list[Item]:

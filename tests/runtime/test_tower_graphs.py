@@ -16,6 +16,7 @@ from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.graphs import GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
 from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers
 
 TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding
@@ -151,7 +152,11 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engin
     _, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
     s = pixels.shape[1]
     towers = GraphedTowers(
-        engine.model, capture=False, pool=GraphPool(2 * s * 1000), slot_bytes=1000, **UNBOUNDED
+        engine.model,
+        capture=False,
+        pool=GraphPool(GRAPH_EXECUTABLE + 2 * s * 1000),
+        slot_bytes=1000,
+        **UNBOUNDED,
     )
     clips = [Item((MediaPart("audio", samples.wav(0.3 + 0.4 * i, hz=300 + 50 * i)),)) for i in range(3)]
     _, (features, mask) = _towers_and(engine, clips, "input_features", "input_features_mask")
