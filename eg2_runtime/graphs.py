@@ -72,14 +72,18 @@ class GraphPool:
         self.budget = budget
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # measured bytes the captures added
+        self.largest = 0  # the largest estimate of a graph captured into the pool
 
     def admits(self, estimate: int) -> bool:
         """Whether a capture estimated at `estimate` activation bytes fits the budget. It adds its
-        executable and what its activations take beyond the pool's idle blocks (those earlier
-        captures freed: graphs never run at once, so a new capture reuses them)."""
+        executable, and its activations where it is larger than every graph the pool holds. One no
+        larger reuses the pool's idle blocks (those earlier, larger captures freed: graphs never run
+        at once), so it adds only what it needs beyond them. (Counting idle blocks for a larger one
+        overran the budget on the H200: blocks of other sizes do not hold it.)"""
         if self.budget is None:
             return True
-        return self.used + GRAPH_EXECUTABLE + max(0, estimate - self.idle()) <= self.budget
+        beyond = estimate if estimate > self.largest else max(0, estimate - self.idle())
+        return self.used + GRAPH_EXECUTABLE + beyond <= self.budget
 
     def idle(self) -> int:
         """Bytes the pool holds but no live tensor uses: reserved less allocated once the ordinary
@@ -97,10 +101,12 @@ class GraphPool:
         return process if process is not None else torch.cuda.memory_reserved()
 
     @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
+    def measuring(self, estimate: int) -> Iterator[None]:
+        """Around one capture estimated at `estimate` bytes: what it added joins `used`."""
         before = self._now()
         try:
             yield
+            self.largest = max(self.largest, estimate)
         finally:
             self.used += max(0, self._now() - before)
 
@@ -271,7 +277,8 @@ class GraphedTextEncoder:
         """The bucket's graph, captured now; None (and the bucket refused for good) when the pool's
         budget does not hold it. Without `capture`, the padded step runs eagerly each time."""
         assert self.pool is not None
-        if not self.pool.admits(self.token_bytes * key[0] * key[1]):
+        estimate = self.token_bytes * key[0] * key[1]
+        if not self.pool.admits(estimate):
             log.info("text graph %s would not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
             return None
@@ -280,7 +287,7 @@ class GraphedTextEncoder:
             return self.graphs[key]
         t0 = time.perf_counter()
         try:
-            with self.pool.measuring():
+            with self.pool.measuring(estimate):
                 graph, out = capture_graph(self._step, self._inputs(key), self.pool.handle)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
