@@ -4,7 +4,7 @@
                                     [--budget-mib N] [--host-token-table]
 
 Generates (or reuses) the full-size random checkpoints of `eg2 bench`. After warm-up and the start-up
-captures it writes the plan, the graph pool's measured use and idle bytes, the captured and refused
+captures it writes the plan, the graph pool's measured use, the captured and refused
 buckets; then, per request shape, the median embed time, the allocator's peak above what was held
 before, the process's GPU memory (NVML) and the buckets that shape added or had refused.
 Writes boot-<tag>.json into DIR.
@@ -114,7 +114,6 @@ def main() -> None:
     out["pool"] = {
         "budget_mib": (pool.budget or 0) / MIB if pool else None,
         "used_mib": pool.used / MIB if pool else None,
-        "idle_mib": pool.idle() / MIB if pool else None,
     }
     out["ready_mib"] = nvml()
     graphs, refused = buckets(engine)

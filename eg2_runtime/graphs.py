@@ -63,8 +63,8 @@ class GraphPool:
     executable (kernel parameters: device memory outside the allocator). So what each capture
     really added is measured, as the process's GPU memory where NVML can read it (else the
     allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is captured while
-    that total plus what its estimate needs beyond the pool's idle blocks fits the budget. Past it
-    the bucket is refused, and batches take smaller buckets in more replays. `budget` None: no bound.
+    that total plus its estimate and executable fits the budget. Past it the bucket is refused, and
+    batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
@@ -72,27 +72,14 @@ class GraphPool:
         self.budget = budget
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # measured bytes the captures added
-        self.largest = 0  # the largest estimate of a graph captured into the pool
 
     def admits(self, estimate: int) -> bool:
-        """Whether a capture estimated at `estimate` activation bytes fits the budget. It adds its
-        executable, and its activations where it is larger than every graph the pool holds. One no
-        larger reuses the pool's idle blocks (those earlier, larger captures freed: graphs never run
-        at once), so it adds only what it needs beyond them. (Counting idle blocks for a larger one
-        overran the budget on the H200: blocks of other sizes do not hold it.)"""
-        if self.budget is None:
-            return True
-        beyond = estimate if estimate > self.largest else max(0, estimate - self.idle())
-        return self.used + GRAPH_EXECUTABLE + beyond <= self.budget
-
-    def idle(self) -> int:
-        """Bytes the pool holds but no live tensor uses: reserved less allocated once the ordinary
-        cache is emptied (a graph pool's blocks stay reserved while its graphs live). 0 on a CPU."""
-        if self.handle is None or self.used == 0:
-            return 0
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return max(0, torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+        """Whether a capture estimated at `estimate` activation bytes, plus its executable, fits the
+        budget beside what the captures so far measurably added. The estimate counts in full even
+        where the capture will mostly reuse blocks earlier captures freed: counting those idle blocks
+        as room let a 4-image graph in that they did not hold, and the pool overran its budget
+        (H200, 2026-12-01: the 1,120-token image then ran out of memory)."""
+        return self.budget is None or self.used + GRAPH_EXECUTABLE + estimate <= self.budget
 
     def _now(self) -> int:
         torch.cuda.synchronize()
@@ -101,12 +88,11 @@ class GraphPool:
         return process if process is not None else torch.cuda.memory_reserved()
 
     @contextlib.contextmanager
-    def measuring(self, estimate: int) -> Iterator[None]:
-        """Around one capture estimated at `estimate` bytes: what it added joins `used`."""
+    def measuring(self) -> Iterator[None]:
+        """Around one capture: what it added joins `used`."""
         before = self._now()
         try:
             yield
-            self.largest = max(self.largest, estimate)
         finally:
             self.used += max(0, self._now() - before)
 
@@ -287,7 +273,7 @@ class GraphedTextEncoder:
             return self.graphs[key]
         t0 = time.perf_counter()
         try:
-            with self.pool.measuring(estimate):
+            with self.pool.measuring():
                 graph, out = capture_graph(self._step, self._inputs(key), self.pool.handle)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.

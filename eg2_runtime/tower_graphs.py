@@ -253,7 +253,7 @@ class GraphedTowers:
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
         try:
-            with self.pool.measuring(estimate):
+            with self.pool.measuring():
                 graph, outputs = capture_graph(step, inputs, self.pool.handle, around)
         except torch.OutOfMemoryError:
             # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
