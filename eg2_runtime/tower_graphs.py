@@ -19,8 +19,9 @@ data-dependent shape). The media embedders run inside the graphs.
 
 Memory: the buckets are bounded by the memory plan (memory_plan.py): Nb x S patch slots and Bb x Fb
 frames at most, drawing on the pool the text graphs use. A batch with more items than the largest
-bucket of its shape holds runs as several replays, items in order; a shape no bucket holds runs
-eagerly, in chunks of at most `tower_slots` patch slots (a video's frames are independent images).
+bucket of its shape holds runs as several replays, items in order, and a bucket the pool refuses hands
+its items to smaller ones; a shape no bucket holds runs eagerly, unpadded, in chunks of at most
+`tower_slots` patch slots (a video's frames are independent images).
 
 Assumes one caller thread (the engine's).
 """
