@@ -14,10 +14,11 @@
                        under max_batch_tokens and max_batch_items
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
-An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step (a span)
-at a time on the preprocess threads, each step started once its estimated tokens fit the media budget;
-each span and the item itself join the queues as ordinary items, so an hour of audio in 10 s spans is
-~360 items that fill GPU batches beside other requests' items, admitted and budgeted as they go.
+An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step of up
+to STREAM_STEP_SPANS spans at a time on the preprocess threads, each step started once its estimated
+tokens fit the media budget; each span and the item itself join the queues as ordinary items, so an
+hour of audio in 10 s spans is ~360 items that fill GPU batches, alone or beside other requests'
+items, admitted and budgeted as they go.
 
 A request whose future is done (answered, failed, cancelled on disconnect or timeout) is dead: its
 items are skipped before preprocessing, their decoding stops within a frame (a cancel flag the
@@ -59,6 +60,11 @@ JOIN_TIMEOUT_S = 1.0  # how long close() waits for worker threads to finish thei
 # of preprocessing even when empty, so 8 items stay near the cost of 512 characters (78 vs 69 us, dev
 # machine, benchmarks/prepare_text_cost.py).
 INLINE_MAX_ITEMS = 8
+# Spans one step of a segment stream gathers before they join the queues, so one long file still fills
+# GPU batches: decoding is sequential, and a span at a time ran each alone (H200, 2026-12-01, a
+# 10-minute file in 10 s segments: 61 batches of one, 2.07 s to vectors). The cost: a step's spans
+# held decoded at once, within the media budget.
+STREAM_STEP_SPANS = 8
 
 
 class Threads:
@@ -581,12 +587,13 @@ class Batcher:
     async def _stream(
         self, request: _Request, index: int, item: Item, estimate: Estimate, options: PrepareOptions
     ) -> None:
-        """Feed one item with segments: a step of its stream at a time on a preprocess thread, each
-        started once its estimated tokens (a span's) fit the media budget; what a step gives joins the
-        queues at once. The stream (its open file) is closed however this ends."""
+        """Feed one item with segments: a step of up to STREAM_STEP_SPANS spans at a time on a
+        preprocess thread, each started once its estimated tokens fit the media budget; what a step
+        gives joins the queues at once. The stream (its open file) is closed however this ends."""
         modality = item.modality
         media = modality != "text"
-        per_step = -(-estimate.span_tokens // max(estimate.spans, 1)) if media else 0
+        spans = min(STREAM_STEP_SPANS, max(estimate.spans, 1))
+        per_step = spans * -(-estimate.span_tokens // max(estimate.spans, 1)) if media else 0
         try:
             stream = self._engine.prepare_segments(item, options, request.cancel)
         except Exception as exc:
@@ -631,14 +638,20 @@ class Batcher:
             self._prep.submit(stream.close)  # after a running step: the cancel flag stops it first
 
     def _step(self, stream: SegmentStream) -> list[PreparedItem] | None:
-        """One step of a stream, on a preprocess thread (the histogram gets each item's share)."""
+        """The stream's next STREAM_STEP_SPANS spans (fewer at its end), on a preprocess thread (the
+        histogram gets each item's share); None once it is done."""
         start = time.monotonic()
-        step = stream.next()
+        step: list[PreparedItem] = []
+        while sum(p.span is not None for p in step) < STREAM_STEP_SPANS:
+            more = stream.next()
+            if more is None:
+                break
+            step.extend(more)
         if step:
             share = (time.monotonic() - start) / len(step)
             for p in step:
                 self._metrics.preprocess_seconds.labels(p.modality).observe(share)
-        return step
+        return step or None
 
     def _too_many_segments(self, n: int) -> InputTooLargeError:
         return InputTooLargeError(

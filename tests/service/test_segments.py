@@ -126,6 +126,29 @@ def test_an_audio_segment_equals_its_span_sent_alone_as_wav(client: httpx.Client
     assert_close(vec(row), vec(embed(client, input=[audio_part(wav(NOISE))])["data"][0]), "the item")
 
 
+def gpu_batches(client: httpx.Client, modality: str = "audio") -> tuple[float, float]:
+    """(batches run, items in them) of `modality` so far, from /metrics."""
+    samples = [
+        s
+        for f in text_string_to_metric_families(client.get("/metrics").text)
+        for s in f.samples
+        if s.labels.get("modality") == modality
+    ]
+    total = lambda name: sum(s.value for s in samples if s.name == name)  # noqa: E731
+    return total("eg2_batch_size_count"), total("eg2_batch_size_sum")
+
+
+def test_a_long_file_fills_gpu_batches(client: httpx.Client) -> None:
+    """70 s in 10 s spans: 7 spans and the item itself, decoded in one pass and gathered into steps
+    of up to STREAM_STEP_SPANS spans, reach the GPU in at most 2 batches (a span per step: 8)."""
+    signal = np.tile(NOISE, 2)[: 70 * RATE]
+    before = gpu_batches(client)
+    row = embed(client, input=[audio_part(wav(signal))], segments={"seconds": 10})["data"][0]
+    assert len(row["segments"]) == 7
+    batches, items = (a - b for a, b in zip(gpu_batches(client), before, strict=True))
+    assert items == 8 and batches <= 2, f"{items:.0f} items in {batches:.0f} GPU batches"
+
+
 def test_video_segments_have_the_right_count_and_offsets(client: httpx.Client) -> None:
     """A 40 s clip, over the 32 s one item may have here: 413 alone, 200 with segments."""
     clip = media.encode_video(40, 2, size=(48, 64))
