@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.batcher import Batcher, Embedded, Threads
+from app.batcher import JOIN_TIMEOUT_S, Batcher, Embedded, Threads
 from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
 from app.schemas import InputRequest
@@ -161,6 +161,7 @@ class Service:
         self.active = 0  # embedding requests admitted past the readiness gate, not yet answered
         self._engine = engine
         self._batcher: Batcher | None = None
+        self._loader: Threads | None = None  # the GPU thread, until the Batcher takes it over
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._frozen = False  # this service froze the startup heap (freeze_startup_heap)
@@ -197,7 +198,7 @@ class Service:
 
     async def _boot(self) -> None:
         try:
-            gpu = Threads(1, "eg2-gpu")  # loads the engine, then runs every accelerator call of it
+            gpu = self._loader = Threads(1, "eg2-gpu")  # loads the engine, then runs its GPU calls
             try:
                 if self._engine is None:
                     self._engine = await gpu.submit(load_engine, self.settings)
@@ -292,6 +293,10 @@ class Service:
         try:
             if self._batcher is not None:
                 self.busy_threads = await self._batcher.close()
+            elif self._loader is not None:  # stopped while loading: the thread may be inside torch
+                self._loader.close()
+                if not await self._loader.join(JOIN_TIMEOUT_S):
+                    self.busy_threads = [self._loader.name]
         finally:
             if self._frozen:  # back into the oldest generation: collectable again
                 gc.unfreeze()

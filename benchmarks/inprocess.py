@@ -355,7 +355,9 @@ def run_engine(
 ) -> None:
     quick, cuda = spec["quick"], spec["device"] == "cuda"
     t0 = time.perf_counter()
-    options = EngineOptions(gpu_memory_budget=spec.get("gpu_memory_budget"))
+    options = EngineOptions(
+        gpu_memory_budget=spec.get("gpu_memory_budget"), host_token_table=spec.get("host_token_table")
+    )
     engine = Engine.from_dir(spec["model_dir"], device=spec["device"], options=options)
     r = engine.report
     run.data["load_s"] = time.perf_counter() - t0

@@ -90,7 +90,8 @@ def main() -> None:
     parser.add_argument("--host-token-table", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}"
+    table = "-host-table" if args.host_token_table else ""
+    tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}"
     with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (bf16, w4):
         model_dir = w4 if args.checkpoint == "w4" else bf16
         options = EngineOptions(

@@ -300,3 +300,32 @@ def test_sigterm_with_a_wedged_engine_exits_within_the_deadline(spawn: Any) -> N
     r = results[0]
     assert r is not None
     assert "shutting down" in assert_error(r, 503, "unavailable")["message"]
+
+
+def test_sigterm_while_the_engine_loads_exits_0() -> None:
+    """SIGTERM while the engine still loads on its GPU thread (native torch code): the service names
+    the busy thread and the process leaves with 0, not the -6 of an interpreter finalizing under it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EG2_")}
+    env.update({"EG2_HOST": "127.0.0.1", "EG2_PORT": "0", "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "support" / "fake_engine.py"), "--load-torch-busy", "20"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # listening: the boot (the load) is under way
+            if port_from_log(line) is not None:
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -451,6 +451,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--nofile", type=int, help="file-descriptor limit (soft and hard) of the server process"
     )
+    parser.add_argument(
+        "--load-torch-busy",
+        type=float,
+        default=0.0,
+        help="load the engine through the service (its GPU thread), torch ops for this many seconds first",
+    )
     args = parser.parse_args(argv)
     if args.nofile is not None:
         import resource
@@ -458,7 +464,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
     settings = Settings()
     setup_logging(settings.log_level, settings.log_json)
-    return serve(settings, FakeEngine(embed_delay_s=args.embed_delay, torch_busy_s=args.torch_busy))
+    engine = FakeEngine(embed_delay_s=args.embed_delay, torch_busy_s=args.torch_busy)
+    if args.load_torch_busy:
+        import app.service
+
+        def slow_load(_: Settings) -> FakeEngine:  # a model load: native torch code for a while
+            _torch_for(args.load_torch_busy)
+            return engine
+
+        app.service.load_engine = slow_load  # type: ignore[assignment]
+        return serve(settings)
+    return serve(settings, engine)
 
 
 if __name__ == "__main__":
