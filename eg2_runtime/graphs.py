@@ -8,8 +8,9 @@ launches with one call.
 How: a batch of B items of T tokens is padded up to a bucket (Bb, Tb) from two ladders and copied
 into static input buffers; each bucket's graph is captured on first use (or ahead of time with
 `capture_buckets`) and replayed after that. A batch with more rows than the largest bucket of its length
-holds runs as several replays of that bucket, rows in order: the pool (memory_plan.py) bounds the
-buckets, not the batches. Pad rows and columns are zero embeddings marked invalid: the
+holds runs as several replays, rows in order: the pool (memory_plan.py) bounds the buckets, not the
+batches. Buckets the pool refuses hand their rows to smaller ones, or to a longer length's where
+that costs fewer replays (`plan`); only what no bucket holds runs eagerly. Pad rows and columns are zero embeddings marked invalid: the
 attention masks hide them as keys and pooling skips them, so valid rows see exactly what they would
 unpadded. Padding changes only which attention kernel runs (masked instead of mask-free), which
 moves BF16 results by rounding only (H200: cosine >= 0.9999998 against the same kernels run
@@ -39,6 +40,11 @@ from eg2_runtime.text import TextEncoder
 log = logging.getLogger(__name__)
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)
+# What one replay costs beyond its own tokens, counted in padded tokens: a short bucket's replay is
+# bound by its launches (H200, 2026-12-01, benchmarks/probe_boot.py: one query 4.1 ms, 32 texts padded
+# to 4,096 tokens 10.5 ms: ~1.6 us a token, ~4 ms a replay), so a longer rung's one replay beats many
+# 1-row replays of a shorter one.
+REPLAY_TOKENS = 2048
 # Finer steps where a step is cheap, coarser where the T^2 attention makes a step cost more to
 # capture than the padding it saves. Tb >= T always; a batch longer than the last rung runs eagerly.
 LENGTH_LADDER = (
@@ -183,18 +189,24 @@ class GraphedTextEncoder:
     def _usable(self, rows: int, padded: int) -> bool:
         return rows * padded <= self.max_tokens and (rows, padded) not in self.refused
 
-    def padded(self, length: int) -> int | None:
-        """The length a batch of `length` tokens pads to: the shortest rung that holds it and still
-        has a bucket the pool has not refused (a longer rung once every bucket of the shortest is
-        refused: more padding, still a graph). None: no rung does (the batch runs eagerly)."""
-        ok = lambda tb: tb >= length and any(self._usable(b, tb) for b in BATCH_LADDER)  # noqa: E731
-        return next((tb for tb in LENGTH_LADDER if ok(tb)), None)
-
-    def rows(self, length: int) -> int:
-        """The most rows one bucket for this length holds, of those the pool has not refused; 0 when
-        none does (the batch runs eagerly)."""
-        tb = self.padded(length)
-        return max((b for b in BATCH_LADDER if self._usable(b, tb)), default=0) if tb else 0
+    def plan(self, batch: int, length: int) -> tuple[int, int] | None:
+        """(rows per replay, padded length) for `batch` rows of `length` tokens: over the length rungs
+        that hold it and still have a bucket the pool has not refused, the one whose replays cost the
+        least (REPLAY_TOKENS each, plus their padded tokens). The shortest rung while its buckets
+        stand; once the pool refused them, a longer rung's captured bucket rather than many 1-row
+        replays. None: no rung has a bucket (the batch runs eagerly)."""
+        best: tuple[int, int, int] | None = None
+        for tb in LENGTH_LADDER:
+            rows = max((b for b in BATCH_LADDER if tb >= length and self._usable(b, tb)), default=0)
+            if rows == 0:
+                continue
+            full, rest = divmod(batch, rows)
+            cost = full * (REPLAY_TOKENS + rows * tb)
+            if rest:
+                cost += REPLAY_TOKENS + (rung(BATCH_LADDER, rest) or rows) * tb
+            if best is None or cost < best[0]:
+                best = (cost, rows, tb)
+        return None if best is None else best[1:]
 
     def buckets(self) -> Iterator[tuple[int, int]]:
         """Every bucket within the bounds, largest first (the pool is then sized once)."""
@@ -209,21 +221,20 @@ class GraphedTextEncoder:
         parts: list[torch.Tensor] = []
         i = 0
         while i < b:
-            rows = self.rows(t)
-            if rows == 0:
+            plan = self.plan(b - i, t)
+            if plan is None:
                 return None
-            part = self._replay(embeds[i : i + rows], valid[i : i + rows])
+            rows, tb = plan
+            part = self._replay(embeds[i : i + rows], valid[i : i + rows], tb)
             if part is not None:
                 parts.append(part)
                 i += part.shape[0]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _replay(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
-        """The rows through the smallest bucket that holds them and the pool has not refused; None
-        when that bucket's capture is refused now (the caller asks again, with fewer rows)."""
+    def _replay(self, embeds: torch.Tensor, valid: torch.Tensor, tb: int) -> torch.Tensor | None:
+        """The rows, padded to `tb`, through the smallest bucket of that length that holds them and
+        the pool has not refused; None when its capture is refused now (the caller plans again)."""
         b, t, _ = embeds.shape
-        tb = self.padded(t)
-        assert tb is not None
         key = next((r, tb) for r in BATCH_LADDER if r >= b and self._usable(r, tb))
         captured = self.graphs.get(key) or self._capture(key)
         if captured is None:

@@ -78,7 +78,7 @@ def test_rows_past_the_largest_bucket_replay_in_chunks(encoder: GraphedTextEncod
     lengths = [1 + (7 * i) % 20 for i in range(70)]
     embeds = torch.randn(70, 20, encoder.encoder.cfg.hidden_size)
     valid = torch.arange(20)[None, :] < torch.tensor(lengths)[:, None]
-    assert encoder.rows(20) == 32 and encoder.rows(LENGTH_LADDER[-1] + 1) == 0
+    assert encoder.plan(70, 20) == (32, 32) and encoder.plan(1, LENGTH_LADDER[-1] + 1) is None
     with torch.inference_mode():
         expected = pool(encoder.encoder(embeds, valid).float(), valid)
         got = encoder(embeds, valid)
@@ -108,9 +108,10 @@ def test_a_bucket_the_pool_refuses_hands_its_rows_to_smaller_ones(tiny_fp32: Pat
     assert got is not None and got.shape == expected.shape
     err = (got - expected).abs().max().item()
     assert err <= TOL, f"replays of smaller buckets: max abs diff {err:.2e} > {TOL}"
-    assert set(encoder.graphs) == {(4, 32)}, "4 + 4 + 3 rows, the last padded to the same bucket"
+    assert (4, 32) in encoder.graphs, "4 + 4 + 3 rows, the last padded to the same bucket"
+    assert all(b * t <= 4 * 32 for b, t in encoder.graphs), "only buckets the budget holds"
     assert {(32, 32), (16, 32), (8, 32)} <= encoder.refused
-    assert encoder.rows(20) == 4
+    assert encoder.plan(11, 20) == (4, 32)
 
 
 def test_a_length_whose_buckets_are_all_refused_pads_to_a_longer_one(encoder: GraphedTextEncoder) -> None:
@@ -123,7 +124,7 @@ def test_a_length_whose_buckets_are_all_refused_pads_to_a_longer_one(encoder: Gr
     refused = set(encoder.refused)
     encoder.refused |= {(b, 32) for b in BATCH_LADDER}
     try:
-        assert encoder.padded(20) == 48
+        assert encoder.plan(5, 20) == (16, 48)  # up to 16 rows a replay; 5 take the (8, 48) bucket
         with torch.inference_mode():
             expected = pool(encoder.encoder(embeds, valid).float(), valid)
             got = encoder(embeds, valid)
@@ -131,9 +132,30 @@ def test_a_length_whose_buckets_are_all_refused_pads_to_a_longer_one(encoder: Gr
         assert (got - expected).abs().max().item() <= TOL
         assert (8, 48) in encoder.graphs
         encoder.refused |= {(b, t) for b in BATCH_LADDER for t in LENGTH_LADDER}
-        assert encoder.rows(20) == 0 and encoder(embeds, valid) is None
+        assert encoder.plan(5, 20) is None and encoder(embeds, valid) is None
     finally:
         encoder.refused = refused
+
+
+def test_a_full_pool_takes_a_longer_captured_bucket_over_many_one_row_replays(tiny_fp32: Path) -> None:
+    """(64, 64) and (1, 32) captured, the pool then too full for any other: 64 rows of 20 tokens run
+    as one replay of (64, 64), not as 64 of (1, 32)."""
+    model, _ = load_model(tiny_fp32, "cpu")
+    budget = GraphPool(1 << 30)
+    encoder = GraphedTextEncoder(model.language_model, 4096, pool=budget, token_bytes=1000, capture=False)
+    encoder.capture_buckets([(64, 64), (1, 32)])
+    budget.used = budget.budget - GRAPH_EXECUTABLE - 40_000  # room for no bucket over 40 tokens
+    steps: list[tuple[int, int]] = []
+    step = encoder._step
+    encoder._step = lambda x, v: steps.append(tuple(x.shape[:2])) or step(x, v)  # type: ignore[method-assign]
+    torch.manual_seed(4)
+    embeds = torch.randn(64, 20, encoder.encoder.cfg.hidden_size)
+    valid = torch.ones(64, 20, dtype=torch.bool)
+    with torch.inference_mode():
+        got = encoder(embeds, valid)
+        expected = pool(encoder.encoder(embeds, valid).float(), valid)
+    assert got is not None and (got - expected).abs().max().item() <= TOL
+    assert steps == [(64, 64)], steps
 
 
 def _texts(n: int) -> list[Item]:
