@@ -161,6 +161,8 @@ class GraphedTowers:
                 break
             rows = min(max(usable), n - i)
             nb = min(r for r in usable if r >= rows)
+            if nb != rung(ITEM_LADDER, rows) and (fitting := [r for r in usable if r <= rows]):
+                rows = nb = max(fitting)  # the natural rung refused: no padding into a far larger one
             part = self._run(
                 (kind, nb, size), partial(buffers, nb), fills, step, tuple(x[i : i + rows] for x in inputs)
             )

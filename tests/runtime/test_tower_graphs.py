@@ -167,3 +167,11 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engin
     assert sorted(k[1] for k in towers.graphs) == [1, 2], "5 images run as 2 + 2 + 1"
     assert {("image", 8, s), ("image", 4, s)} <= towers.refused
     assert not audio.graphs and audio.refused, "every clip bucket refused: the tower runs eagerly"
+    gap = GraphedTowers(engine.model, capture=False, **UNBOUNDED)
+    gap.refused.add(("image", 4, s))  # 3 images' own rung refused, 8 still open
+    with torch.inference_mode():
+        _close(
+            gap.image_soft_tokens(pixels[:3], positions[:3]),
+            engine.model.image_soft_tokens(pixels[:3], positions[:3]),
+        )
+    assert sorted(k[1] for k in gap.graphs) == [1, 2], "2 + 1, not 3 padded to 8"
