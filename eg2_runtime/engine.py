@@ -203,10 +203,7 @@ class Engine:
     @torch.inference_mode()
     def _load_kernels(self) -> None:
         """Small forwards through every loaded path, so the libraries load their kernels (memory
-        outside the allocator) before the base is measured: short and banded text, and each tower;
-        then one small graph captured and dropped, whose one-time costs are no graph's own (H200,
-        2026-12-01: the first capture of a server grew the process by 316 MiB, ~140 MiB of it outside
-        the graph pool's blocks: the capture stream's cuBLAS workspace and the like)."""
+        outside the allocator) before the base is measured: short and banded text, and each tower."""
         model, dev, dt = self.model, self.device, self.model.dtype
         h, window = model.config.text.hidden_size, model.config.text.sliding_window
         for t in (8, 3 * window + 1):
@@ -223,12 +220,7 @@ class Engine:
             bins = model.audio_tower.cfg.subsampling_conv_channels[0]
             features = torch.zeros(1, 256, bins, dtype=dt, device=dev)
             model.audio_soft_tokens(features, torch.ones(1, 256, dtype=torch.bool, device=dev))
-        if self.options.graph_max_tokens:
-            GraphedTextEncoder(model.language_model, LENGTH_LADDER[0]).capture_buckets(
-                [(1, LENGTH_LADDER[0])]
-            )
         torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()  # the dropped graph's pool
 
     def _process_bytes(self) -> int | None:
         reading = self.gpu_memory.read()
