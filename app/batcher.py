@@ -67,6 +67,18 @@ INLINE_MAX_ITEMS = 8
 STREAM_STEP_SPANS = 8
 
 
+def step_size(estimate: Estimate, media_limit: int | None) -> tuple[int, int]:
+    """(spans, estimated tokens) of one step of a stream: up to STREAM_STEP_SPANS spans, and for media
+    no more than the media budget (`media_limit` tokens) holds, one span at least. Text: 0 tokens (the
+    budget counts media only)."""
+    per_span = -(-estimate.span_tokens // max(estimate.spans, 1))
+    spans = min(STREAM_STEP_SPANS, max(estimate.spans, 1))
+    if media_limit is None:
+        return spans, 0
+    spans = max(1, min(spans, media_limit // max(per_span, 1)))
+    return spans, spans * per_span
+
+
 class Threads:
     """N daemon threads draining one job queue; each result lands in an asyncio future.
 
@@ -592,8 +604,7 @@ class Batcher:
         gives joins the queues at once. The stream (its open file) is closed however this ends."""
         modality = item.modality
         media = modality != "text"
-        spans = min(STREAM_STEP_SPANS, max(estimate.spans, 1))
-        per_step = spans * -(-estimate.span_tokens // max(estimate.spans, 1)) if media else 0
+        spans, per_step = step_size(estimate, self.media_budget.limit if media else None)
         try:
             stream = self._engine.prepare_segments(item, options, request.cancel)
         except Exception as exc:
@@ -607,7 +618,7 @@ class Batcher:
                 held = per_step
                 self._preparing[modality] += 1
                 try:
-                    job = self._prep.submit(self._step, stream)
+                    job = self._prep.submit(self._step, stream, spans)
                     request.prep_futures.append(job)
                     step = await job
                 except BaseException:
@@ -637,12 +648,12 @@ class Batcher:
         finally:
             self._prep.submit(stream.close)  # after a running step: the cancel flag stops it first
 
-    def _step(self, stream: SegmentStream) -> list[PreparedItem] | None:
-        """The stream's next STREAM_STEP_SPANS spans (fewer at its end), on a preprocess thread (the
-        histogram gets each item's share); None once it is done."""
+    def _step(self, stream: SegmentStream, spans: int) -> list[PreparedItem] | None:
+        """The stream's next `spans` spans (fewer at its end), on a preprocess thread (the histogram
+        gets each item's share); None once it is done."""
         start = time.monotonic()
         step: list[PreparedItem] = []
-        while sum(p.span is not None for p in step) < STREAM_STEP_SPANS:
+        while sum(p.span is not None for p in step) < spans:
             more = stream.next()
             if more is None:
                 break

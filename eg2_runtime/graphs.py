@@ -202,8 +202,8 @@ class GraphedTextEncoder:
                 continue
             full, rest = divmod(batch, rows)
             cost = full * (REPLAY_TOKENS + rows * tb)
-            if rest:
-                cost += REPLAY_TOKENS + (rung(BATCH_LADDER, rest) or rows) * tb
+            if rest:  # the smallest open bucket of this length that holds the rest, as _replay takes
+                cost += REPLAY_TOKENS + min(b for b in BATCH_LADDER if b >= rest and self._usable(b, tb)) * tb
             if best is None or cost < best[0]:
                 best = (cost, rows, tb)
         return None if best is None else best[1:]

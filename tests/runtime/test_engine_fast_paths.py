@@ -156,6 +156,17 @@ def test_a_full_pool_takes_a_longer_captured_bucket_over_many_one_row_replays(ti
         expected = pool(encoder.encoder(embeds, valid).float(), valid)
     assert got is not None and (got - expected).abs().max().item() <= TOL
     assert steps == [(64, 64)], steps
+    # A fresh pool, every bucket of 2 to 32 rows at length 32 refused: 3 rows take (4, 48), not the
+    # captured (64, 32) they would be padded into (the rest is priced at the bucket it really takes).
+    fresh = GraphedTextEncoder(
+        model.language_model, 4096, pool=GraphPool(1 << 30), token_bytes=1000, capture=False
+    )
+    fresh.capture_buckets([(64, 32), (1, 32)])
+    fresh.refused |= {(b, 32) for b in (2, 4, 8, 16, 32)}
+    assert fresh.plan(3, 20) == (64, 48)
+    with torch.inference_mode():
+        fresh(embeds[:3], valid[:3])
+    assert set(fresh.graphs) == {(64, 32), (1, 32), (4, 48)}
 
 
 def _texts(n: int) -> list[Item]:

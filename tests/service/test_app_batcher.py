@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.batcher import INLINE_MAX_ITEMS, Batcher, Embedded
+from app.batcher import INLINE_MAX_ITEMS, STREAM_STEP_SPANS, Batcher, Embedded, step_size
 from app.errors import Overloaded, classify
 from app.metrics import Metrics
+from eg2_runtime.api import Estimate
 from eg2_runtime.errors import EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, Segments, TextPart
 from tests.support.fake_engine import FORWARD_BUG, PREPARE_BUG, FakeEngine, assert_error, live, make_settings
@@ -629,6 +630,17 @@ def test_an_ended_request_stops_its_stream() -> None:
     start = time.monotonic()
     run(engine, body)
     assert time.monotonic() - start < 10 and engine.prepare_calls == 0
+
+
+def test_a_stream_step_stays_within_the_media_budget() -> None:
+    """A step gathers up to STREAM_STEP_SPANS spans, but for media never more than the media budget
+    holds (one span at least): 20 audio spans of 300 tokens under a 1,000-token budget take 3 a step."""
+    audio = Estimate(tokens=750, spans=20, span_tokens=20 * 300)
+    assert step_size(audio, 1_000_000) == (STREAM_STEP_SPANS, STREAM_STEP_SPANS * 300)
+    assert step_size(audio, 1000) == (3, 900)
+    assert step_size(audio, 100) == (1, 300), "a span over the whole budget still goes, alone"
+    assert step_size(Estimate(tokens=10, spans=2, span_tokens=12), 1_000_000) == (2, 12)
+    assert step_size(Estimate(tokens=500, spans=40, span_tokens=600), None) == (STREAM_STEP_SPANS, 0)
 
 
 def test_too_many_segments_are_refused_before_any_work() -> None:
