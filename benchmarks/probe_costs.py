@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from eg2_runtime.engine import Engine, EngineOptions
-from eg2_runtime.graphs import GraphedTextEncoder
+from eg2_runtime.graphs import GraphedTextEncoder, GraphPool
 from eg2_runtime.model import pool as mean_pool
 from eg2_runtime.tower_graphs import GraphedTowers
 
@@ -39,12 +39,12 @@ def eager_peak(fn: Callable[[], object]) -> int:
 ALLOCATED_GROWTH: list[int] = []  # what each capture left counted as allocated
 
 
-def pool_growth(capture: Callable[[Any], object]) -> int:
+def pool_growth(capture: Callable[[GraphPool], object]) -> int:
     """Reserved growth of a fresh graph pool capturing one bucket (its warm-up's cache emptied)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-    capture(torch.cuda.graph_pool_handle())
+    capture(GraphPool(None))  # a fresh pool of its own, unbounded
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     ALLOCATED_GROWTH.append(torch.cuda.memory_allocated() - allocated)
