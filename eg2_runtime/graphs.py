@@ -10,8 +10,8 @@ into static input buffers; each bucket's graph is captured on first use (or ahea
 `capture_buckets`) and replayed after that. A batch with more rows than the largest bucket of its length
 holds runs as several replays, rows in order: the pool (memory_plan.py) bounds the buckets, not the
 batches. Buckets the pool refuses hand their rows to smaller ones, or to a longer length's where
-that costs fewer replays (`plan`); only what no bucket holds runs eagerly. Pad rows and columns are zero embeddings marked invalid: the
-attention masks hide them as keys and pooling skips them, so valid rows see exactly what they would
+that costs less (`plan`); only what no bucket holds runs eagerly. Pad rows and columns are zero
+embeddings marked invalid: the attention masks hide them as keys and pooling skips them, so valid rows see exactly what they would
 unpadded. Padding changes only which attention kernel runs (masked instead of mask-free), which
 moves BF16 results by rounding only (H200: cosine >= 0.9999998 against the same kernels run
 eagerly); tests/runtime/test_engine_fast_paths.py and the GPU suite hold both paths together.
@@ -101,6 +101,25 @@ class GraphPool:
             yield
         finally:
             self.used += max(0, self._now() - before)
+
+    def capture(
+        self,
+        step: Callable[..., Any],
+        inputs: Sequence[torch.Tensor],
+        estimate: int,
+        around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> tuple[torch.cuda.CUDAGraph, Any] | None:
+        """`capture_graph` into this pool, what it adds measured into `used`: (the graph, its static
+        output), or None when the budget refuses it (`admits(estimate)`), or the allocator's cap stops
+        it midway (the bucket does not fit beside the pool's other graphs)."""
+        if not self.admits(estimate):
+            return None
+        try:
+            with self.measuring():
+                return capture_graph(step, inputs, self.handle, around)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return None
 
 
 def capture_graph(
@@ -196,8 +215,8 @@ class GraphedTextEncoder:
         stand; once the pool refused them, a longer rung's captured bucket rather than many 1-row
         replays. None: no rung has a bucket (the batch runs eagerly)."""
         best: tuple[int, int, int] | None = None
-        for tb in LENGTH_LADDER:
-            rows = max((b for b in BATCH_LADDER if tb >= length and self._usable(b, tb)), default=0)
+        for tb in (tb for tb in LENGTH_LADDER if tb >= length):
+            rows = max((b for b in BATCH_LADDER if self._usable(b, tb)), default=0)
             if rows == 0:
                 continue
             full, rest = divmod(batch, rows)
@@ -215,8 +234,7 @@ class GraphedTextEncoder:
 
     def __call__(self, embeds: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
         """(B, D) fp32 unit vectors, or None when no bucket holds rows of this length (run it eagerly).
-        More rows than the largest bucket holds run as several replays of it; a bucket the pool
-        refuses hands its rows to smaller ones."""
+        More rows than the largest bucket holds run as several replays, each planned (`plan`)."""
         b, t, _ = embeds.shape
         parts: list[torch.Tensor] = []
         i = 0
@@ -272,27 +290,20 @@ class GraphedTextEncoder:
 
     def _capture(self, key: tuple[int, int]) -> _Captured | None:
         """The bucket's graph, captured now; None (and the bucket refused for good) when the pool's
-        budget does not hold it. Without `capture`, the padded step runs eagerly each time."""
-        assert self.pool is not None
+        budget does not hold it. Without `capture`, the padded step runs eagerly each time, admitted
+        as its graph would be."""
         estimate = self.token_bytes * key[0] * key[1]
-        if not self.pool.admits(estimate):
-            log.info("text graph %s would not fit the graph pool's budget: smaller buckets take it", key)
-            self.refused.add(key)
-            return None
-        if not self.capture:
-            self.graphs[key] = _Captured(None, None)
-            return self.graphs[key]
         t0 = time.perf_counter()
-        try:
-            with self.pool.measuring():
-                graph, out = capture_graph(self._step, self._inputs(key), self.pool.handle)
-        except torch.OutOfMemoryError:
-            # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
-            log.warning("text graph %s does not fit the memory budget: smaller buckets take it", key)
-            torch.cuda.empty_cache()
+        got: tuple[torch.cuda.CUDAGraph | None, Any] | None
+        if self.capture:
+            got = self.pool.capture(self._step, self._inputs(key), estimate)
+        else:
+            got = (None, None) if self.pool.admits(estimate) else None
+        if got is None:
+            log.info("text graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
             return None
-        self.graphs[key] = _Captured(graph, out)
+        self.graphs[key] = _Captured(*got)
         self.capture_seconds += time.perf_counter() - t0
         log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))
         return self.graphs[key]

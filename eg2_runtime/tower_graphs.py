@@ -38,7 +38,7 @@ from functools import partial
 import torch
 
 from eg2_runtime.graphs import BATCH_LADDER as ITEM_LADDER
-from eg2_runtime.graphs import GraphPool, capture_graph, rung
+from eg2_runtime.graphs import GraphPool, rung
 from eg2_runtime.model import EG2Model
 
 log = logging.getLogger(__name__)
@@ -240,30 +240,24 @@ class GraphedTowers:
         step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     ) -> _Captured | None:
         """The bucket's graph, captured now; None (and the bucket refused for good) when the pool's
-        budget does not hold it. Without `capture`, the padded step runs eagerly each time."""
+        budget does not hold it. Without `capture`, the padded step runs eagerly each time, admitted
+        as its graph would be."""
         kind, n, size = key
         estimate = (
             n * size * (self.slot_bytes if kind == "image" else self.audio_token_bytes // FRAMES_PER_TOKEN)
         )
-        assert self.pool is not None
-        if not self.pool.admits(estimate):
-            log.info("tower graph %s would not fit the graph pool's budget: smaller buckets take it", key)
-            self.refused.add(key)
-            return None
-        if not self.capture:
-            self.graphs[key] = _Captured(None, inputs, fills, None)
-            return self.graphs[key]
         t0 = time.perf_counter()
-        around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-        try:
-            with self.pool.measuring():
-                graph, outputs = capture_graph(step, inputs, self.pool.handle, around)
-        except torch.OutOfMemoryError:
-            # The budget's allocator cap: this bucket's graph does not fit beside the pool's others.
-            log.warning("tower graph %s does not fit the memory budget: smaller buckets take it", key)
-            torch.cuda.empty_cache()
+        got: tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor] | None] | None
+        if self.capture:
+            around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
+            got = self.pool.capture(step, inputs, estimate, around)
+        else:
+            got = (None, None) if self.pool.admits(estimate) else None
+        if got is None:
+            log.info("tower graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
             return None
+        graph, outputs = got
         self.graphs[key] = _Captured(graph, inputs, fills, outputs)
         self.capture_seconds += time.perf_counter() - t0
         log.info("captured %s tower graph %s in %.0f ms", key[0], key[1:], 1e3 * (time.perf_counter() - t0))
