@@ -198,13 +198,10 @@ class Service:
 
     async def _boot(self) -> None:
         try:
-            gpu = self._loader = Threads(1, "eg2-gpu")  # loads the engine, then runs its GPU calls
-            try:
-                if self._engine is None:
-                    self._engine = await gpu.submit(load_engine, self.settings)
-            except BaseException:
-                gpu.close()
-                raise
+            # Loads the engine, then runs its GPU calls; stop() closes it whichever owns it then.
+            gpu = self._loader = Threads(1, "eg2-gpu")
+            if self._engine is None:
+                self._engine = await gpu.submit(load_engine, self.settings)
             s = self.settings
             self._batcher = Batcher(
                 self._engine,
