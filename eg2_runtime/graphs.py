@@ -83,8 +83,9 @@ class GraphPool:
         """Whether a capture estimated at `estimate` activation bytes, plus its executable, fits the
         budget beside what the captures so far measurably added. The estimate counts in full even
         where the capture will mostly reuse blocks earlier captures freed: counting those idle blocks
-        as room let a 4-image graph in that they did not hold, and the pool overran its budget
-        (H200, 2026-12-01: the 1,120-token image then ran out of memory)."""
+        as room admitted captures they did not hold, and the pool overran its budget (H200,
+        2026-12-01: 374 MiB of graph pools against a 344 MiB share; the 1,120-token image then ran
+        out of memory)."""
         return self.budget is None or self.used + GRAPH_EXECUTABLE + estimate <= self.budget
 
     def _now(self) -> int:

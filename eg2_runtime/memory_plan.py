@@ -46,8 +46,9 @@ MIN_GRAPH_TEXT_TOKENS = 64 * 64
 EAGER_MARGIN = 1.4
 MIN_GRAPH_VISION_SLOTS = 280 * 9
 # What a captured graph holds outside its activations (the instantiated graph's kernel nodes): ~4 MiB
-# for the text encoder on the H200 (2026-12-01, benchmarks/probe_boot.py: 17 captures after the first
-# added 66 MiB, their activations within the pool's idle blocks). The pool counts it per graph, and
+# on the H200 (2026-12-01, benchmarks/probe_boot.py: the text-only server's one start-up graph added
+# 180 MiB, the full start-up set of 18 graphs 246 MiB: 66 MiB for 17 graphs whose activations the
+# first one's blocks held). The pool counts it per graph, and
 # its minimum holds the start-up set's (Engine.capture_graphs: 16 text buckets, one per tower).
 GRAPH_EXECUTABLE = 4 * MIB
 STARTUP_GRAPHS = 18
