@@ -180,7 +180,8 @@ def test_drain_in_process_refuses_new_work_then_stops() -> None:
 class Proc:
     """The fake-engine server in a subprocess; stderr (JSON logs) collected by a thread."""
 
-    def __init__(self, env: dict[str, str], *args: str) -> None:
+    def __init__(self, env: dict[str, str], *args: str, ready: bool = True) -> None:
+        """Started, listening, and (`ready`) answering /ready 200."""
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("EG2_")}
         full_env.update({"EG2_HOST": "127.0.0.1", "EG2_PORT": "0", "PYTHONPATH": str(REPO), **env})
         self.proc = subprocess.Popen(
@@ -201,7 +202,7 @@ class Proc:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}"
-        while httpx.get(self.url + "/ready").status_code != 200:
+        while ready and httpx.get(self.url + "/ready").status_code != 200:
             assert time.monotonic() < deadline, "server not ready"
             time.sleep(0.02)
 
@@ -225,8 +226,8 @@ class Proc:
 def spawn() -> Iterator[Any]:
     procs: list[Proc] = []
 
-    def start(env: dict[str, str], *args: str) -> Proc:
-        procs.append(Proc(env, *args))
+    def start(env: dict[str, str], *args: str, ready: bool = True) -> Proc:
+        procs.append(Proc(env, *args, ready=ready))
         return procs[-1]
 
     yield start
@@ -302,30 +303,10 @@ def test_sigterm_with_a_wedged_engine_exits_within_the_deadline(spawn: Any) -> N
     assert "shutting down" in assert_error(r, 503, "unavailable")["message"]
 
 
-def test_sigterm_while_the_engine_loads_exits_0() -> None:
+def test_sigterm_while_the_engine_loads_exits_0(spawn: Any) -> None:
     """SIGTERM while the engine still loads on its GPU thread (native torch code): the service names
     the busy thread and the process leaves with 0, not the -6 of an interpreter finalizing under it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EG2_")}
-    env.update({"EG2_HOST": "127.0.0.1", "EG2_PORT": "0", "PYTHONPATH": str(REPO)})
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "support" / "fake_engine.py"), "--load-torch-busy", "20"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:  # listening: the boot (the load) is under way
-            if port_from_log(line) is not None:
-                break
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stderr is not None:
-            proc.stderr.close()
+    p = spawn({}, "--load-torch-busy", "20", ready=False)  # listening: the boot (the load) is under way
+    time.sleep(1.0)
+    p.proc.send_signal(signal.SIGTERM)
+    assert p.proc.wait(timeout=30) == 0
