@@ -632,6 +632,20 @@ def test_an_ended_request_stops_its_stream() -> None:
     assert time.monotonic() - start < 10 and engine.prepare_calls == 0
 
 
+def test_a_lone_stream_fills_gpu_batches() -> None:
+    """A text of 300 words in spans of 64, each span 20 ms to prepare, the GPU idle: the 5 spans and
+    the item reach it as one step, one batch (a span per step would run each alone at once)."""
+    engine = FakeEngine(prepare_delay_s=0.02)
+    text = " ".join(f"w{i}" for i in range(300))
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed([Item((TextPart(text),), SEG)], OPTS)
+
+    result = run(engine, body)
+    assert len(result.segments[0][0]) == 5
+    assert engine.batch_sizes() == [6], engine.batch_sizes()
+
+
 def test_a_stream_step_stays_within_the_media_budget() -> None:
     """A step gathers up to STREAM_STEP_SPANS spans, but for media never more than the media budget
     holds (one span at least): 20 audio spans of 300 tokens under a 1,000-token budget take 3 a step."""

@@ -139,7 +139,8 @@ def metric(url: str, name: str, modality: str) -> float:
 
 def test_a_long_file_fills_gpu_batches(server: LiveServer, client: httpx.Client) -> None:
     """70 s in 10 s spans: 7 spans and the item itself, decoded in one pass and gathered into steps
-    of up to STREAM_STEP_SPANS spans, reach the GPU in at most 2 batches (a span per step: 3 here)."""
+    of up to STREAM_STEP_SPANS spans, reach the GPU in at most 2 batches, through the real engine.
+    (Whether single-span steps would batch here depends on timing: the guard is in test_app_batcher.)"""
     signal = np.tile(NOISE, 2)[: 70 * RATE]
     batches = lambda: metric(server.url, "eg2_batch_size_count", "audio")  # noqa: E731
     items = lambda: metric(server.url, "eg2_batch_size_sum", "audio")  # noqa: E731
