@@ -22,30 +22,12 @@ import numpy as np
 import torch
 
 from app.service import GPU_BATCH_TOKENS
-from benchmarks.workloads import checkpoints
+from benchmarks.workloads import WORDS, checkpoints
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EngineOutOfMemory
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import MIB
-
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wise",
-    "owls",
-    "watch",
-    "quietly",
-]
 
 
 def text(words: int, seed: int) -> Item:

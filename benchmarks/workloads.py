@@ -109,7 +109,7 @@ _VOCABULARY = (
     "the quick brown fox jumps over a lazy dog while embeddings of every modality share one space "
     "search results rank documents by meaning and queries find images audio video and text alike"
 )
-_WORDS = _VOCABULARY.split()
+WORDS = _VOCABULARY.split()
 
 
 class Factory:
@@ -133,7 +133,7 @@ class Factory:
         def count(s: str) -> int:
             return self.count(Item((TextPart(s),)))
 
-        words = [str(w) for w in np.random.default_rng(seed).choice(_WORDS, size=2 * tokens + 8)]
+        words = [str(w) for w in np.random.default_rng(seed).choice(WORDS, size=2 * tokens + 8)]
         lo, hi = 1, len(words)  # the longest prefix of words within `tokens`: counts grow with words
         while lo < hi:
             mid = (lo + hi + 1) // 2
