@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.timing import Budget, cell_header, cell_line, failure, stats, time_rounds
 from benchmarks.workloads import MIME, Input, Workload
@@ -96,12 +97,52 @@ def measure_named(
                 first.raise_for_status()
                 if len(first.json()["data"]) != w.batch:
                     raise RuntimeError(f"{len(first.json()['data'])} vectors for {w.batch} items")
+                before = server_stages(client.get("/metrics").text)
                 cell["call"] = time_rounds(partial(_post, client, requests), w, budget)
+                cell["server"] = stage_split(before, server_stages(client.get("/metrics").text))
             except Exception as e:
                 cell["error"], _ = failure(e)
             cells[w.key] = cell
             progress(cell_line(w.key, cell))
     return cells
+
+
+_STAGES = ("eg2_preprocess_seconds", "eg2_queue_seconds", "eg2_inference_seconds", "eg2_batch_size")
+
+
+def server_stages(metrics_text: str) -> dict[tuple[str, str, str], float]:
+    """/metrics' stage histograms: (family, modality, sum|count) -> value."""
+    out: dict[tuple[str, str, str], float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name not in _STAGES:
+            continue
+        for sample in family.samples:
+            end = sample.name.rsplit("_", 1)[-1]
+            if end in ("sum", "count"):
+                out[(family.name, sample.labels.get("modality", ""), end)] = sample.value
+    return out
+
+
+def stage_split(
+    before: dict[tuple[str, str, str], float], after: dict[tuple[str, str, str], float]
+) -> dict[str, dict[str, float]]:
+    """Where the server spent a cell's calls, by modality, from the /metrics diff: the mean ms an item
+    spent preparing and queueing, the mean ms of a GPU batch, and how many batches and items ran."""
+    split: dict[str, dict[str, float]] = {}
+    for family, modality, end in after:
+        if end != "count":
+            continue
+        n = after[(family, modality, "count")] - before.get((family, modality, "count"), 0.0)
+        if n <= 0:
+            continue
+        total = after[(family, modality, "sum")] - before.get((family, modality, "sum"), 0.0)
+        row = split.setdefault(modality, {})
+        stage = family.removeprefix("eg2_").removesuffix("_seconds")
+        if stage == "batch_size":
+            row["batches"], row["items"] = n, total
+        else:
+            row[f"{stage}_ms"] = round(1e3 * total / n, 3)
+    return split
 
 
 # ----------------------------------------------------------------------------------------- the sweep

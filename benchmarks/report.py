@@ -283,6 +283,7 @@ def markdown(results: dict[str, Any]) -> str:
             ]
         )
     parts.append(_table(head, rows))
+    parts.append(_server_split(results))
     parts.append(_budgets(results))
 
     if any(cells_of(results, k, "matrix") for k in "abc"):
@@ -320,6 +321,45 @@ def markdown(results: dict[str, Any]) -> str:
         parts.append("## Errors\n")
         parts.append("".join(f"- {e}\n" for e in results["errors"]))
     return "\n".join(parts)
+
+
+def _server_split(results: dict[str, Any]) -> str:
+    """Where (d)'s server spent each named workload's calls (its /metrics, diffed around the cell)."""
+    cells = cells_of(results, "d", "named")
+    rows = []
+    for n in results["workloads"]["named"]:
+        cell = cells.get(n["key"])
+        if not ok(cell):
+            continue
+        for modality, split in sorted((cell.get("server") or {}).items()):
+            per_call = split["items"] / max(split["batches"], 1)
+            rows.append(
+                [
+                    n["label"],
+                    modality,
+                    _num(per_call),
+                    _num(split.get("preprocess_ms")),
+                    _num(split.get("queue_ms")),
+                    _num(split.get("inference_ms")),
+                ]
+            )
+    if not rows:
+        return ""
+    head = [
+        "workload",
+        "modality",
+        "items per batch",
+        "prepare ms per item",
+        "queue ms per item",
+        "ms per batch",
+    ]
+    return (
+        "### (d): where the server spent the named calls (its /metrics)\n\n"
+        + _table(head, rows)
+        + "\nPrepare: one item's decode and preprocessing on the worker pool. Queue: prepared to GPU. "
+        "A batch: one engine call, the copy back included. The rest of a call's time is HTTP, JSON, "
+        "base64 and the wait for the last item's preparing.\n"
+    )
 
 
 def _engine_report(cfg: dict[str, Any]) -> str:

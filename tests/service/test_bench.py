@@ -159,6 +159,13 @@ def test_json_has_every_workload(quick: tuple[int, Path, str]) -> None:
     assert set(d["named"]) == set(NAMED)
     for name, cell in d["named"].items():
         _positive_call(cell["call"], f"(d) {name}")
+        # Where the server spent the cell's calls, from /metrics: every item the calls sent ran on the
+        # GPU, each modality's stages timed.
+        call = cell["call"]
+        items = sum(row["items"] for row in cell["server"].values())
+        assert items == (call["warmup_rounds"] + call["rounds"]) * cell["items_per_round"], (name, cell)
+        for row in cell["server"].values():
+            assert row["batches"] >= 1 and row["inference_ms"] > 0 and row["preprocess_ms"] >= 0, (name, row)
     assert {(r["family"], r["concurrency"]) for r in d["sweep"]} == SWEEP
     for row in d["sweep"]:
         assert not row["error"] and not row["failures"], row
