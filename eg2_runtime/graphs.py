@@ -64,44 +64,55 @@ class GraphPool:
     """One CUDA graph memory pool, shared by the text and the tower graphs, with a byte budget.
 
     A capture adds its activations to the pool except where blocks freed by earlier captures fit
-    them: captured largest first, the smaller graphs mostly reuse the larger ones' blocks (the
-    start-up set is captured that way, Engine.capture_graphs). Each capture also adds its graph's
-    executable (kernel parameters: device memory outside the allocator). So what each capture
-    really added is measured, as the process's GPU memory where NVML can read it (else the
-    allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is captured while
-    that total plus its estimate and executable fits the budget. Past it the bucket is refused, and
-    batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
+    them, and its graph's executable (kernel parameters: device memory outside the allocator). Graphs
+    never run at once, so a capture no larger than the largest one the pool already holds reuses
+    that one's blocks: it adds little more than its executable (H200, 2026-12-01,
+    benchmarks/probe_boot.py: captures after the start-up set added 1-5 MiB each). A larger capture
+    counts its whole estimate: counting the idle blocks it might reuse as room admitted captures they
+    did not hold, and the pool overran its budget (H200, 2026-12-01: 374 MiB of graph pools against a
+    344 MiB share after a 4-image capture; the 1,120-token image then ran out of memory). The start-up
+    set is captured largest first (Engine.capture_graphs), so its first graph sets the blocks the
+    others reuse.
+
+    What each capture really added is measured, as the process's GPU memory where NVML can read it
+    (else the allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is
+    captured while that total plus what it may add fits the budget. Past it the bucket is refused,
+    and batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
         self.handle = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.budget = budget
         self.read = read  # the process's GPU memory in bytes (NVML), or None
-        self.used = 0  # measured bytes the captures added
+        self.used = 0  # bytes the captures added: measured, or as `need` models them
+        self.largest = 0  # the largest estimate among the captures the pool holds
+
+    def need(self, estimate: int) -> int:
+        """What a capture estimated at `estimate` activation bytes may add to the pool: its executable,
+        and its activations in full unless a capture at least as large already holds their blocks."""
+        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest else estimate)
 
     def admits(self, estimate: int) -> bool:
-        """Whether a capture estimated at `estimate` activation bytes, plus its executable, fits the
-        budget beside what the captures so far measurably added. The estimate counts in full even
-        where the capture will mostly reuse blocks earlier captures freed: counting those idle blocks
-        as room admitted captures they did not hold, and the pool overran its budget (H200,
-        2026-12-01: 374 MiB of graph pools against a 344 MiB share; the 1,120-token image then ran
-        out of memory)."""
-        return self.budget is None or self.used + GRAPH_EXECUTABLE + estimate <= self.budget
+        """Whether such a capture fits the budget beside what the captures so far added."""
+        return self.budget is None or self.used + self.need(estimate) <= self.budget
+
+    def reserve(self, estimate: int) -> bool:
+        """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
+        `need` joins `used` as if measured. False: refused."""
+        if not self.admits(estimate):
+            return False
+        self._took(estimate, self.need(estimate))
+        return True
+
+    def _took(self, estimate: int, added: int) -> None:
+        self.used += added
+        self.largest = max(self.largest, estimate)
 
     def _now(self) -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         process = self.read() if self.read is not None else None
         return process if process is not None else torch.cuda.memory_reserved()
-
-    @contextlib.contextmanager
-    def measuring(self) -> Iterator[None]:
-        """Around one capture: what it added joins `used`."""
-        before = self._now()
-        try:
-            yield
-        finally:
-            self.used += max(0, self._now() - before)
 
     def capture(
         self,
@@ -115,12 +126,14 @@ class GraphPool:
         it midway (the bucket does not fit beside the pool's other graphs)."""
         if not self.admits(estimate):
             return None
+        before = self._now()
         try:
-            with self.measuring():
-                return capture_graph(step, inputs, self.handle, around)
+            got = capture_graph(step, inputs, self.handle, around)
         except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
+            self.used += max(0, self._now() - before)  # what the failed capture left in the pool
             return None
+        self._took(estimate, max(0, self._now() - before))
+        return got
 
 
 def capture_graph(
@@ -299,7 +312,7 @@ class GraphedTextEncoder:
         if self.capture:
             got = self.pool.capture(self._step, self._inputs(key), estimate)
         else:
-            got = (None, None) if self.pool.admits(estimate) else None
+            got = (None, None) if self.pool.reserve(estimate) else None
         if got is None:
             log.info("text graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)

@@ -13,9 +13,9 @@ which the batcher answers by splitting it.
 How the working memory is shared: the eager share is the peak of the largest item no graph takes
 (an 8,192-token text, a 1,120-token image), which a budget must hold to serve every valid request;
 the rest is the graph pool. A graph pool keeps the activations of its largest graph for good, and
-graphs never run at once, so smaller graphs mostly reuse its blocks; but the pool admits a capture
-by its whole estimate beside what the captures so far measurably took (graphs.GraphPool: counting
-reusable blocks overran the budget), so past the start-up set only smaller buckets fit. Graphs take
+graphs never run at once, so smaller graphs reuse its blocks: the pool admits a capture no larger
+than its largest by its executable, a larger one by its whole estimate, beside what the captures so
+far measurably took (graphs.GraphPool). Graphs take
 any batch whose rows fit a bucket, in chunks, refused buckets handing their rows to smaller ones
 (graphs.py, tower_graphs.py): more pool means larger buckets and fewer replays per batch, not a
 different result.

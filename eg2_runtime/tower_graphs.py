@@ -252,7 +252,7 @@ class GraphedTowers:
             around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
             got = self.pool.capture(step, inputs, estimate, around)
         else:
-            got = (None, None) if self.pool.admits(estimate) else None
+            got = (None, None) if self.pool.reserve(estimate) else None
         if got is None:
             log.info("tower graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)

@@ -88,6 +88,21 @@ def test_rows_past_the_largest_bucket_replay_in_chunks(encoder: GraphedTextEncod
     assert {(32, 32), (8, 32)} <= set(encoder.graphs), "32 + 32 + 6 rows"
 
 
+def test_a_capture_no_larger_than_the_pools_largest_adds_only_its_executable() -> None:
+    """Graphs never run at once, so a capture no larger than one the pool holds reuses its blocks and
+    adds its executable; a larger one counts its whole estimate (the rule that kept the H200's pool
+    within its budget)."""
+    big, small = 100 << 20, 60 << 20
+    graphs = GraphPool(big + 3 * GRAPH_EXECUTABLE)
+    assert graphs.reserve(big)
+    assert graphs.reserve(small), "fits the first capture's blocks: only its executable is new"
+    assert graphs.used == big + 2 * GRAPH_EXECUTABLE and graphs.largest == big
+    assert not graphs.reserve(big + 1), "larger than any held: counted in full, past the budget"
+    assert graphs.reserve(big)
+    assert not graphs.reserve(1), "no room left for a fourth executable"
+    assert graphs.used == big + 3 * GRAPH_EXECUTABLE
+
+
 def test_a_bucket_the_pool_refuses_hands_its_rows_to_smaller_ones(tiny_fp32: Path) -> None:
     """A pool whose budget holds buckets of up to 4 x 32 tokens: 11 rows of 20 tokens, allowed
     (16, 32) by max_tokens, take (4, 32) replays (4 + 4 + 3) instead of one refused (16, 32) run
@@ -138,13 +153,13 @@ def test_a_length_whose_buckets_are_all_refused_pads_to_a_longer_one(encoder: Gr
 
 
 def test_a_full_pool_takes_a_longer_captured_bucket_over_many_one_row_replays(tiny_fp32: Path) -> None:
-    """(64, 64) and (1, 32) captured, the pool then too full for any other: 64 rows of 20 tokens run
+    """(64, 64) and (1, 32) captured, the pool then too full for another graph: 64 rows of 20 tokens run
     as one replay of (64, 64), not as 64 of (1, 32)."""
     model, _ = load_model(tiny_fp32, "cpu")
     budget = GraphPool(1 << 30)
     encoder = GraphedTextEncoder(model.language_model, 4096, pool=budget, token_bytes=1000, capture=False)
     encoder.capture_buckets([(64, 64), (1, 32)])
-    budget.used = budget.budget - GRAPH_EXECUTABLE - 40_000  # room for no bucket over 40 tokens
+    budget.used = budget.budget - GRAPH_EXECUTABLE + 1  # no room for another graph's executable
     steps: list[tuple[int, int]] = []
     step = encoder._step
     encoder._step = lambda x, v: steps.append(tuple(x.shape[:2])) or step(x, v)  # type: ignore[method-assign]

@@ -145,7 +145,7 @@ def test_batches_past_the_largest_bucket_run_as_several(
 
 
 def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engine) -> None:
-    """A pool whose budget holds 2 images' patch slots: 5 images the plan's bound allows in one
+    """A pool whose budget holds 2 images' patch slots and two graphs' executables: 5 images the plan's bound allows in one
     bucket of 8 run as buckets of 2, 2 and 1 (not as a refused bucket of 8 padded and run eagerly);
     a clip bucket the pool refuses at every size leaves the clips to the eager tower, unpadded."""
     images = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(5)]
@@ -154,7 +154,7 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engin
     towers = GraphedTowers(
         engine.model,
         capture=False,
-        pool=GraphPool(GRAPH_EXECUTABLE + 2 * s * 1000),
+        pool=GraphPool(2 * GRAPH_EXECUTABLE + 2 * s * 1000),
         slot_bytes=1000,
         **UNBOUNDED,
     )
