@@ -1,7 +1,7 @@
 """Probe (GPU): an engine booted as `eg2 serve` boots it, then what each request shape runs through.
 
     python -m benchmarks.probe_boot --out DIR [--checkpoint w4|bf16] [--modalities text]
-                                    [--budget-mib N] [--host-token-table]
+                                    [--budget-mib N] [--host-token-table] [--profile SHAPE,...]
 
 Generates (or reuses) the full-size random checkpoints of `eg2 bench`. After warm-up and the start-up
 captures it writes the plan, the graph pool's measured use, the captured and refused
@@ -63,6 +63,32 @@ def buckets(engine: Engine) -> tuple[set[str], set[str]]:
     return graphs, refused
 
 
+def profile(engine: Engine, prepared: list[Any], rows: int = 12) -> dict[str, Any]:
+    """Three embeds under torch.profiler: wall ms each, and the top operators by self host time and
+    by device time (ms over the three)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    walls = []
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            t = time.perf_counter()
+            engine.embed(prepared)
+            walls.append(1e3 * (time.perf_counter() - t))
+    events = prof.key_averages()
+
+    def top(attr: str) -> list[tuple[str, float, int]]:
+        ranked = sorted(events, key=lambda e: -getattr(e, attr))[:rows]
+        return [(e.key[:60], round(getattr(e, attr) / 1e3, 3), e.count) for e in ranked]
+
+    return {
+        "wall_ms": walls,
+        "device_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 3),
+        "host_self_ms": top("self_cpu_time_total"),
+        "device_self_ms": top("self_device_time_total"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -70,6 +96,9 @@ def main() -> None:
     parser.add_argument("--modalities", default=None)
     parser.add_argument("--budget-mib", type=int, default=None)
     parser.add_argument("--host-token-table", action="store_true")
+    parser.add_argument(
+        "--profile", default="", help="shapes to profile, comma-separated (e.g. query,1 image)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table = "-host-table" if args.host_token_table else ""
@@ -135,6 +164,8 @@ def main() -> None:
             "pool_used_mib": pool.used / MIB if pool else None,
         }
         graphs, refused = now_graphs, now_refused
+        if name in args.profile.split(",") and "error" not in row:
+            row["profile"] = profile(engine, prepared)
         rows[name] = row
         print(name, json.dumps(row), flush=True)
     out["shapes"] = rows
