@@ -89,8 +89,10 @@ class Threads:
     whole process aborts (SIGABRT) instead of exiting 0.
     """
 
-    def __init__(self, n: int, name: str) -> None:
+    def __init__(self, n: int, name: str, init: Callable[[], None] | None = None) -> None:
+        """`init`: run first on each thread (the engine's set-up of a preparing thread)."""
         self.name = name
+        self._init = init
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)
@@ -122,6 +124,8 @@ class Threads:
         return True
 
     def _work(self) -> None:
+        if self._init is not None:
+            self._init()
         while (job := self._jobs.get()) is not None:
             _run_job(*job)
             del job  # drop this job's tensors now, not when the next job comes (which may be at exit)
@@ -382,7 +386,7 @@ class Batcher:
         self._max_request_segments = max_request_segments
         self.media_budget = _MediaBudget(max_prepared_media_tokens)
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
-        self._prep = Threads(preprocess_workers, "eg2-prepare")
+        self._prep = Threads(preprocess_workers, "eg2-prepare", engine.init_prepare_thread)
         self._gpu = gpu_thread or Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
         self._queues: dict[str, _Queue] = {}
         # Items of admitted requests still in preprocessing, by modality: the companions worth waiting

@@ -133,6 +133,7 @@ class Engine:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()  # prepare_many runs on many threads (the service's pool)
         single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
+        self.cpu_threads = torch.get_num_threads()  # the model's CPU ops (init_prepare_thread)
         self.gpu_memory = gpu_memory or ProcessGpuMemory()
         self.plan: MemoryPlan | None = None
         self.graphs: GraphedTextEncoder | None = None
@@ -286,6 +287,16 @@ class Engine:
                 out.append(e)
         return out
 
+    def init_prepare_thread(self) -> None:
+        """Run once on each thread that will prepare items (the service's pool, this engine's own):
+        torch's CPU ops there (the images' and frames' resize) use one thread. Items are prepared on
+        many threads at once, and each thread's ops spreading over every core again made the OpenMP
+        teams thrash (dev machine, 2 cores: one 641x479 PNG on a pool worker 8.9 -> 5.0 ms, 16 on 8
+        workers 121 -> 68 ms; benchmarks/probe_prepare.py). torch's count is per thread, but threads
+        started after this one begin with one too: `embed` gives its thread the count the engine was
+        built with (all cores by default), which the model's CPU ops need."""
+        torch.set_num_threads(1)
+
     def prepare_many(
         self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
     ) -> list[PreparedItem | EG2Error]:
@@ -339,7 +350,9 @@ class Engine:
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
-                    self.options.prepare_threads, thread_name_prefix="eg2-prepare"
+                    self.options.prepare_threads,
+                    thread_name_prefix="eg2-prepare",
+                    initializer=self.init_prepare_thread,
                 )
             return self._pool
 
@@ -442,6 +455,8 @@ class Engine:
     @torch.inference_mode()
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         """(B, 768) float32 unit vectors, in batch order."""
+        if torch.get_num_threads() != self.cpu_threads:  # a thread started after a preparing one
+            torch.set_num_threads(self.cpu_threads)
         try:
             parts = [self._forward([p.inputs for p in chunk]).cpu() for chunk in self._chunks(batch)]
         except torch.OutOfMemoryError as e:

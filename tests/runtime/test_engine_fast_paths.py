@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +199,27 @@ def test_split_forwards_equal_one_forward(tiny_fp32: Path) -> None:
     assert a.shape == b.shape == (9, 768)
     err = float(np.abs(a - b).max())
     assert err <= TOL, f"split vs one forward: max abs diff {err:.2e} > {TOL}"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: torch uses one thread anyway")
+def test_preparing_threads_run_torch_on_one_thread_and_the_model_thread_keeps_its_own(
+    tiny_fp32: Path,
+) -> None:
+    """Items are prepared on many threads at once: each runs torch's CPU ops on one thread, while
+    the threads that run the model keep the count the engine was built with."""
+    engine = Engine.from_dir(tiny_fp32, device="cpu")
+    before = torch.get_num_threads()
+    with ThreadPoolExecutor(1, initializer=engine.init_prepare_thread) as pool:
+        assert pool.submit(torch.get_num_threads).result() == 1
+    assert engine._executor().submit(torch.get_num_threads).result() == 1, "the engine's own pool"
+    assert torch.get_num_threads() == before > 1
+
+    def embed_on_a_new_thread() -> int:  # it starts with one thread, as threads now do
+        engine.embed([engine.prepare(_texts(1)[0], PrepareOptions())])
+        return torch.get_num_threads()
+
+    with ThreadPoolExecutor(1) as fresh:
+        assert fresh.submit(embed_on_a_new_thread).result() == before, "the model's thread keeps its count"
 
 
 def test_prepare_many_equals_prepare(tiny_fp32: Path) -> None:

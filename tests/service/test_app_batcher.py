@@ -198,6 +198,29 @@ def test_a_requests_text_is_prepared_in_one_call_and_each_media_item_alone() -> 
     np.testing.assert_array_equal(result.vectors, np.stack(expected))  # rows back in request order
 
 
+def test_every_preparing_thread_is_set_up_by_the_engine_before_its_first_job() -> None:
+    """The engine's per-thread set-up (Engine.init_prepare_thread: torch on one CPU thread there)
+    runs once on each preprocessing thread, before that thread prepares anything."""
+    calls: list[str] = []
+
+    class Recording(FakeEngine):
+        def init_prepare_thread(self) -> None:
+            calls.append(threading.current_thread().name)
+
+        def prepare_many(self, *args: Any, **kw: Any) -> Any:
+            assert threading.current_thread().name in calls, "prepared on a thread never set up"
+            return super().prepare_many(*args, **kw)
+
+    engine = Recording()
+    image = Item((MediaPart("image", b"png bytes"),))
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed([image] * 6, OPTS)
+
+    run(engine, body, preprocess_workers=3)
+    assert sorted(calls) == [f"eg2-prepare-{i}" for i in range(3)]
+
+
 def test_a_requests_short_text_is_tokenized_on_the_event_loop() -> None:
     """Up to inline_prepare_chars (a request's text items together) there is no thread hop; longer text
     and media go to the pool, and the rows are the same either way."""

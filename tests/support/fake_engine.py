@@ -223,6 +223,9 @@ class FakeEngine:
             out.append(TokenCount(tokens=sum(p.num_tokens for p in prepared), truncated=False))
         return out
 
+    def init_prepare_thread(self) -> None:
+        """As Engine.init_prepare_thread: the fake runs no torch, so nothing to set."""
+
     def prepare_many(
         self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
     ) -> list[PreparedItem | EG2Error]:
