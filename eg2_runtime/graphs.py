@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -117,18 +118,22 @@ class GraphPool:
     def capture(
         self,
         step: Callable[..., Any],
-        inputs: Sequence[torch.Tensor],
+        inputs: Callable[[], Sequence[torch.Tensor]],
         estimate: int,
         around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> tuple[torch.cuda.CUDAGraph, Any] | None:
-        """`capture_graph` into this pool, what it adds measured into `used`: (the graph, its static
-        output), or None when the budget refuses it (`admits(estimate)`), or the allocator's cap stops
-        it midway (the bucket does not fit beside the pool's other graphs)."""
+        """`capture_graph` of `step` over the static buffers `inputs()` makes, into this pool, what it
+        adds measured into `used`: (the graph, its static output), or None when the budget refuses it
+        (`admits(estimate)`), or the allocator's cap stops it midway (the bucket does not fit beside
+        the pool's other graphs). The buffers are made after the allocator's cache is emptied: kept
+        for good, they would otherwise pin whichever cached segment of an earlier eager forward they
+        landed in, which no later forward could then return (H200, 2026-12-01: 165 MiB cached but
+        unusable when a 32-frame video ran out of memory)."""
         if not self.admits(estimate):
             return None
         before = self._now()
         try:
-            got = capture_graph(step, inputs, self.handle, around)
+            got = capture_graph(step, inputs(), self.handle, around)
         except torch.OutOfMemoryError:
             self.used += max(0, self._now() - before)  # what the failed capture left in the pool
             return None
@@ -310,7 +315,7 @@ class GraphedTextEncoder:
         t0 = time.perf_counter()
         got: tuple[torch.cuda.CUDAGraph | None, Any] | None
         if self.capture:
-            got = self.pool.capture(self._step, self._inputs(key), estimate)
+            got = self.pool.capture(self._step, partial(self._inputs, key), estimate)
         else:
             got = (None, None) if self.pool.reserve(estimate) else None
         if got is None:

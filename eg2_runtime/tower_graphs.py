@@ -212,7 +212,7 @@ class GraphedTowers:
         inputs: tuple[torch.Tensor, ...],
     ) -> torch.Tensor | None:
         """The inputs' items through bucket `key`; None when its capture is refused now."""
-        captured = self.graphs.get(key) or self._capture(key, buffers(), fills, step)
+        captured = self.graphs.get(key) or self._capture(key, buffers, fills, step)
         if captured is None:
             return None
         n = inputs[0].shape[0]
@@ -235,7 +235,7 @@ class GraphedTowers:
     def _capture(
         self,
         key: tuple[str, int, int],
-        inputs: tuple[torch.Tensor, ...],
+        buffers: Callable[[], tuple[torch.Tensor, ...]],
         fills: tuple[float, ...],
         step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     ) -> _Captured | None:
@@ -247,18 +247,26 @@ class GraphedTowers:
             n * size * (self.slot_bytes if kind == "image" else self.audio_token_bytes // FRAMES_PER_TOKEN)
         )
         t0 = time.perf_counter()
+        made: list[tuple[torch.Tensor, ...]] = []  # the static input buffers, once the pool admits
+
+        def make() -> tuple[torch.Tensor, ...]:
+            made.append(buffers())
+            return made[-1]
+
         got: tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor] | None] | None
         if self.capture:
             around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-            got = self.pool.capture(step, inputs, estimate, around)
+            got = self.pool.capture(step, make, estimate, around)
         else:
             got = (None, None) if self.pool.reserve(estimate) else None
+            if got is not None:
+                make()
         if got is None:
             log.info("tower graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
             return None
         graph, outputs = got
-        self.graphs[key] = _Captured(graph, inputs, fills, outputs)
+        self.graphs[key] = _Captured(graph, made[-1], fills, outputs)
         self.capture_seconds += time.perf_counter() - t0
         log.info("captured %s tower graph %s in %.0f ms", key[0], key[1:], 1e3 * (time.perf_counter() - t0))
         return self.graphs[key]
@@ -271,7 +279,22 @@ def _chunked(
     a: torch.Tensor,
     b: torch.Tensor,
 ) -> torch.Tensor:
-    """fn over consecutive chunks of at most `step` items of (a, b), results concatenated in order."""
-    if n <= step:
-        return fn(a, b)
-    return torch.cat([fn(a[i : i + step], b[i : i + step]) for i in range(0, n, step)])
+    """fn over consecutive chunks of at most `step` items of (a, b), results concatenated in order.
+
+    A chunk that runs out of memory is run again in halves, down to one item (which then raises):
+    the items are independent (a video's frames), and beside a full graph pool the eager share can
+    be too fragmented for the planned chunk (H200, 2026-12-01: a 32-frame video after four 30 s
+    clips, 165 MiB cached but unusable)."""
+    parts, i = [], 0
+    while i < n:
+        try:
+            parts.append(fn(a[i : i + step], b[i : i + step]))
+        except torch.OutOfMemoryError:
+            if step == 1:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            step = max(1, step // 2)
+            continue
+        i += step
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

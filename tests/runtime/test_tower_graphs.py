@@ -7,6 +7,7 @@ the real items must be those of the model's own functions, within float rounding
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.graphs import GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
-from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers
+from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers, _chunked
 
 TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding
 
@@ -175,3 +176,24 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engin
             engine.model.image_soft_tokens(pixels[:3], positions[:3]),
         )
     assert sorted(k[1] for k in gap.graphs) == [1, 2], "2 + 1, not 3 padded to 8"
+
+
+def test_an_eager_chunk_out_of_memory_runs_again_in_halves(engine: Engine) -> None:
+    """The eager tower's chunks of a video's frames: a chunk the allocator refuses runs again in
+    halves (the frames are independent), with the same soft tokens; one frame that does not fit
+    raises."""
+    images = [Item((MediaPart("image", samples.png(64, 48, i)),)) for i in range(5)]
+    _, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
+    sizes: list[int] = []
+
+    def tight(p: torch.Tensor, q: torch.Tensor, most: int = 2) -> torch.Tensor:  # room for 2 images
+        sizes.append(p.shape[0])
+        if p.shape[0] > most:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return engine.model.image_soft_tokens(p, q)
+
+    with torch.inference_mode():
+        _close(_chunked(tight, 5, 4, pixels, positions), engine.model.image_soft_tokens(pixels, positions))
+        assert sizes == [4, 2, 2, 1], "4 refused, then halves: 2 + 2 + 1"
+        with pytest.raises(torch.OutOfMemoryError):
+            _chunked(partial(tight, most=0), 5, 4, pixels, positions)
