@@ -125,7 +125,10 @@ class Threads:
 
     def _work(self) -> None:
         if self._init is not None:
-            self._init()
+            try:
+                self._init()
+            except Exception:  # a set-up that fails must not leave the queue without this worker
+                log.exception("setting up the %s thread failed", self.name)
         while (job := self._jobs.get()) is not None:
             _run_job(*job)
             del job  # drop this job's tensors now, not when the next job comes (which may be at exit)

@@ -332,7 +332,7 @@ def _server_split(results: dict[str, Any]) -> str:
         if not ok(cell):
             continue
         for modality, split in sorted((cell.get("server") or {}).items()):
-            per_call = split["items"] / max(split["batches"], 1)
+            per_call = split.get("items", 0) / max(split.get("batches", 0), 1)
             rows.append(
                 [
                     n["label"],

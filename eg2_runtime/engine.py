@@ -63,6 +63,11 @@ BASE_MARGIN = 32 * MIB
 STATIC_BUFFERS = 24 * MIB
 
 
+# torch's CPU threads for the model's own CPU ops, read at import (on the importing thread, before any
+# preparing thread set its own count to one, which threads started later would inherit).
+MODEL_CPU_THREADS = torch.get_num_threads()
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How the engine runs a loaded model: speed and memory trade-offs, not the architecture."""
@@ -133,7 +138,7 @@ class Engine:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()  # prepare_many runs on many threads (the service's pool)
         single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
-        self.cpu_threads = torch.get_num_threads()  # the model's CPU ops (init_prepare_thread)
+        self.cpu_threads = MODEL_CPU_THREADS  # the model's CPU ops (init_prepare_thread)
         self.gpu_memory = gpu_memory or ProcessGpuMemory()
         self.plan: MemoryPlan | None = None
         self.graphs: GraphedTextEncoder | None = None
@@ -293,8 +298,10 @@ class Engine:
         many threads at once, and each thread's ops spreading over every core again made the OpenMP
         teams thrash (dev machine, 2 cores: one 641x479 PNG on a pool worker 8.9 -> 5.0 ms, 16 on 8
         workers 121 -> 68 ms; benchmarks/probe_prepare.py). torch's count is per thread, but threads
-        started after this one begin with one too: `embed` gives its thread the count the engine was
-        built with (all cores by default), which the model's CPU ops need."""
+        started after this one begin with one too: `embed` gives its thread MODEL_CPU_THREADS back (all
+        cores by default), which the model's CPU ops need. On the H200's 16-core host one thread
+        was no faster (probe_prepare, 2026-12-01: 16 images on 8 threads 39.0 ms with 16 torch
+        threads, 43.7 with one); docs/PERF.md has both figures."""
         torch.set_num_threads(1)
 
     def prepare_many(

@@ -107,7 +107,8 @@ class GraphedTowers:
         _, s, _ = pixels.shape
 
         def eager(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # within the tower bound
-            return _chunked(self.model.image_soft_tokens, p.shape[0], max(1, self.tower_slots // s), p, q)
+            step = max(1, self.tower_slots // s)
+            return _chunked(self.model.image_soft_tokens, p.shape[0], step, p, q, retry=self.graphing)
 
         def buffers(nb: int) -> tuple[torch.Tensor, ...]:
             return (
@@ -278,23 +279,25 @@ def _chunked(
     step: int,
     a: torch.Tensor,
     b: torch.Tensor,
+    retry: bool = True,
 ) -> torch.Tensor:
     """fn over consecutive chunks of at most `step` items of (a, b), results concatenated in order.
 
-    A chunk that runs out of memory is run again in halves, down to one item (which then raises):
-    the items are independent (a video's frames), and beside a full graph pool the eager share can
-    be too fragmented for the planned chunk (H200, 2026-12-01: a 32-frame video after four 30 s
-    clips, 165 MiB cached but unusable)."""
+    With `retry`, a chunk that runs out of memory is run again in halves, down to one item (which then
+    raises): the items are independent (a video's frames), and beside a full graph pool the eager
+    share can be too fragmented for the planned chunk (H200, 2026-12-01: a 32-frame video after four
+    30 s clips, 165 MiB cached but unusable). Without it (the engine's warm-up, which proves the
+    planned chunk fits) the error is raised."""
     parts, i = [], 0
     while i < n:
         try:
             parts.append(fn(a[i : i + step], b[i : i + step]))
-        except torch.OutOfMemoryError:
-            if step == 1:
-                raise
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            step = max(1, step // 2)
+            i += step
             continue
-        i += step
+        except torch.OutOfMemoryError:
+            if step == 1 or not retry:
+                raise
+        step = max(1, step // 2)  # outside the handler: the failed chunk's tensors are freed by now
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -181,7 +181,7 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engin
 def test_an_eager_chunk_out_of_memory_runs_again_in_halves(engine: Engine) -> None:
     """The eager tower's chunks of a video's frames: a chunk the allocator refuses runs again in
     halves (the frames are independent), with the same soft tokens; one frame that does not fit
-    raises."""
+    raises, and so does any chunk when retrying is off (the warm-up)."""
     images = [Item((MediaPart("image", samples.png(64, 48, i)),)) for i in range(5)]
     _, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
     sizes: list[int] = []
@@ -197,3 +197,5 @@ def test_an_eager_chunk_out_of_memory_runs_again_in_halves(engine: Engine) -> No
         assert sizes == [4, 2, 2, 1], "4 refused, then halves: 2 + 2 + 1"
         with pytest.raises(torch.OutOfMemoryError):
             _chunked(partial(tight, most=0), 5, 4, pixels, positions)
+        with pytest.raises(torch.OutOfMemoryError):  # the warm-up proves the planned chunk: no retry
+            _chunked(tight, 5, 4, pixels, positions, retry=False)
