@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 from collections.abc import Coroutine
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -233,6 +234,7 @@ async def info(service: ServiceDep) -> dict[str, Any]:
             **dataclasses.asdict(s.media_limits()),
             "request_timeout_s": s.request_timeout_s,
         },
+        "process": {"gil_switch_interval_ms": round(sys.getswitchinterval() * 1000, 6)},
         "engine": engine.info(),
         "memory": engine.memory(),
     }

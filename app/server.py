@@ -155,6 +155,7 @@ def serve(settings: Settings, engine: EngineAPI | None = None) -> int:
     """Run until drained or failed; the process exit code. With a worker thread still inside the
     engine after the drain, ends the process here (exit_now) instead of returning."""
     tune_malloc()
+    sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     server = build_server(settings, engine, max_connections=fit_descriptor_limit(settings.max_connections))
     server.run()
     service = server.service

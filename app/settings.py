@@ -138,6 +138,15 @@ class Settings(BaseSettings):
         "way its batch runs at once. Larger: fuller batches from bursts, at up to that much added latency; "
         "0 never waits.",
     )
+    gil_switch_interval_ms: float = Field(
+        default=0.5,
+        gt=0,
+        description="How long a thread holding Python's GIL keeps it while another waits (sys.setswitchinterval). "
+        "The GPU thread gives the GIL up at every blocking step of a batch (copies, syncs) and must win it back "
+        "from a busy event loop each time, waiting up to this long (Python's default is 5 ms; measured in "
+        "docs/PERF.md). Smaller: the GPU and preparing threads get the interpreter back sooner; the event loop is "
+        "interrupted more often.",
+    )
     preprocess_workers: int = Field(
         default_factory=_default_workers,
         ge=1,

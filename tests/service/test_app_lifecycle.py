@@ -310,3 +310,14 @@ def test_sigterm_while_the_engine_loads_exits_0(spawn: Any) -> None:
     time.sleep(1.0)
     p.proc.send_signal(signal.SIGTERM)
     assert p.proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize(("setting", "expected"), [(None, 0.5), ("2", 2.0)])
+def test_the_served_process_hands_the_gil_over_at_its_setting(
+    spawn: Any, setting: str | None, expected: float
+) -> None:
+    """`eg2 serve` sets the interpreter's GIL switch interval (gil_switch_interval_ms; Python's own
+    default is 5 ms), as /info reports it from the running process."""
+    env = {} if setting is None else {"EG2_GIL_SWITCH_INTERVAL_MS": setting}
+    p = spawn(env)
+    assert httpx.get(p.url + "/info").json()["process"] == {"gil_switch_interval_ms": expected}
