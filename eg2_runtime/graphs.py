@@ -121,24 +121,32 @@ class GraphPool:
         inputs: Callable[[], Sequence[torch.Tensor]],
         estimate: int,
         around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> tuple[torch.cuda.CUDAGraph, Any] | None:
+        run: bool = True,
+    ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
         """`capture_graph` of `step` over the static buffers `inputs()` makes, into this pool, what it
-        adds measured into `used`: (the graph, its static output), or None when the budget refuses it
-        (`admits(estimate)`), or the allocator's cap stops it midway (the bucket does not fit beside
-        the pool's other graphs). The buffers are made after the allocator's cache is emptied: kept
-        for good, they would otherwise pin whichever cached segment of an earlier eager forward they
-        landed in, which no later forward could then return (H200, 2026-12-01: 165 MiB cached but
-        unusable when a 32-frame video ran out of memory)."""
+        adds measured into `used`: (the graph, its buffers, its static output), or None when the
+        budget refuses it (`admits(estimate)`), or the allocator's cap stops it midway (the bucket
+        does not fit beside the pool's other graphs). The buffers are made after the allocator's
+        cache is emptied: kept for good, they would otherwise pin whichever cached segment of an
+        earlier eager forward they landed in, which no later forward could then return (H200,
+        2026-12-01: 165 MiB cached but unusable when a 32-frame video ran out of memory).
+
+        `run` False captures nothing (the CPU, where the padded step runs eagerly in the graph's
+        stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
+        None) comes back."""
+        if not run:
+            return (None, inputs(), None) if self.reserve(estimate) else None
         if not self.admits(estimate):
             return None
         before = self._now()
         try:
-            got = capture_graph(step, inputs(), self.handle, around)
+            buffers = inputs()
+            graph, out = capture_graph(step, buffers, self.handle, around)
         except torch.OutOfMemoryError:
             self.used += max(0, self._now() - before)  # what the failed capture left in the pool
             return None
         self._took(estimate, max(0, self._now() - before))
-        return got
+        return graph, buffers, out
 
 
 def capture_graph(
@@ -313,16 +321,13 @@ class GraphedTextEncoder:
         as its graph would be."""
         estimate = self.token_bytes * key[0] * key[1]
         t0 = time.perf_counter()
-        got: tuple[torch.cuda.CUDAGraph | None, Any] | None
-        if self.capture:
-            got = self.pool.capture(self._step, partial(self._inputs, key), estimate)
-        else:
-            got = (None, None) if self.pool.reserve(estimate) else None
+        got = self.pool.capture(self._step, partial(self._inputs, key), estimate, run=self.capture)
         if got is None:
             log.info("text graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
             return None
-        self.graphs[key] = _Captured(*got)
+        graph, _, out = got
+        self.graphs[key] = _Captured(graph, out)
         self.capture_seconds += time.perf_counter() - t0
         log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))
         return self.graphs[key]

@@ -248,26 +248,14 @@ class GraphedTowers:
             n * size * (self.slot_bytes if kind == "image" else self.audio_token_bytes // FRAMES_PER_TOKEN)
         )
         t0 = time.perf_counter()
-        made: list[tuple[torch.Tensor, ...]] = []  # the static input buffers, once the pool admits
-
-        def make() -> tuple[torch.Tensor, ...]:
-            made.append(buffers())
-            return made[-1]
-
-        got: tuple[torch.cuda.CUDAGraph | None, tuple[torch.Tensor, torch.Tensor] | None] | None
-        if self.capture:
-            around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-            got = self.pool.capture(step, make, estimate, around)
-        else:
-            got = (None, None) if self.pool.reserve(estimate) else None
-            if got is not None:
-                make()
+        around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
+        got = self.pool.capture(step, buffers, estimate, around, run=self.capture)
         if got is None:
             log.info("tower graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
             return None
-        graph, outputs = got
-        self.graphs[key] = _Captured(graph, made[-1], fills, outputs)
+        graph, inputs, outputs = got
+        self.graphs[key] = _Captured(graph, tuple(inputs), fills, outputs)
         self.capture_seconds += time.perf_counter() - t0
         log.info("captured %s tower graph %s in %.0f ms", key[0], key[1:], 1e3 * (time.perf_counter() - t0))
         return self.graphs[key]
