@@ -63,6 +63,10 @@ BASE_MARGIN = 32 * MIB
 STATIC_BUFFERS = 24 * MIB
 
 
+# The text buckets captured at boot (capture_graphs): one text of up to 512 tokens, batches of short
+# texts. With one graph per tower, memory_plan.STARTUP_GRAPHS counts them (a test holds the two equal).
+STARTUP_TEXT_BUCKETS = (*((1, t) for t in LENGTH_LADDER if t <= 512), *((b, 64) for b in (8, 32, 64)))
+
 # torch's CPU threads for the model's own CPU ops, read at import (on the importing thread, before any
 # preparing thread set its own count to one, which threads started later would inherit).
 MODEL_CPU_THREADS = torch.get_num_threads()
@@ -138,7 +142,6 @@ class Engine:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()  # prepare_many runs on many threads (the service's pool)
         single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
-        self.cpu_threads = MODEL_CPU_THREADS  # the model's CPU ops (init_prepare_thread)
         self.gpu_memory = gpu_memory or ProcessGpuMemory()
         self.plan: MemoryPlan | None = None
         self.graphs: GraphedTextEncoder | None = None
@@ -445,7 +448,7 @@ class Engine:
         if self.graphs is None:
             return 0
         t0 = time.perf_counter()
-        short = [(1, t) for t in LENGTH_LADDER if t <= 512] + [(b, 64) for b in (8, 32, 64)]
+        short = STARTUP_TEXT_BUCKETS
         larger = [k for k in short if k[0] * k[1] >= 2048]  # the largest first: see GraphPool
         self.graphs.capture_buckets(larger)
         towers = self.towers
@@ -462,8 +465,8 @@ class Engine:
     @torch.inference_mode()
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         """(B, 768) float32 unit vectors, in batch order."""
-        if torch.get_num_threads() != self.cpu_threads:  # a thread started after a preparing one
-            torch.set_num_threads(self.cpu_threads)
+        if torch.get_num_threads() != MODEL_CPU_THREADS:  # a thread started after a preparing one
+            torch.set_num_threads(MODEL_CPU_THREADS)
         try:
             parts = [self._forward([p.inputs for p in chunk]).cpu() for chunk in self._chunks(batch)]
         except torch.OutOfMemoryError as e:

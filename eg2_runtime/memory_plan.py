@@ -48,8 +48,9 @@ MIN_GRAPH_VISION_SLOTS = 280 * 9
 # What a captured graph holds outside its activations (the instantiated graph's kernel nodes): ~4 MiB
 # on the H200 (2026-12-01, benchmarks/probe_boot.py: the text-only server's one start-up graph added
 # 180 MiB, the full start-up set of 18 graphs 246 MiB: 66 MiB for 17 graphs whose activations the
-# first one's blocks held). The pool counts it per graph, and
-# its minimum holds the start-up set's (Engine.capture_graphs: 16 text buckets, one per tower).
+# first one's blocks held). The pool counts it per graph, and its minimum holds the start-up set's:
+# engine.STARTUP_TEXT_BUCKETS and one per tower (this module imports no torch, so a test holds the count
+# equal to that list).
 GRAPH_EXECUTABLE = 4 * MIB
 STARTUP_GRAPHS = 18
 

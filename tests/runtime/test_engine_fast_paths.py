@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from eg2_runtime import samples
-from eg2_runtime.engine import Engine, EngineOptions
+from eg2_runtime.engine import STARTUP_TEXT_BUCKETS, Engine, EngineOptions
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
-from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_GRAPHS
 from eg2_runtime.model import pool
 
 TOL = 1e-5  # FP32 on the CPU: padding must not move a valid row beyond float rounding
@@ -103,6 +103,12 @@ def test_a_capture_no_larger_than_the_pools_largest_adds_only_its_executable() -
     assert graphs.reserve(big)
     assert not graphs.reserve(1), "no room left for a fourth executable"
     assert graphs.used == big + 3 * GRAPH_EXECUTABLE
+
+
+def test_the_memory_plan_counts_the_start_up_graphs_the_engine_captures() -> None:
+    """memory_plan.STARTUP_GRAPHS (torch-free) restates the start-up set's size: its text buckets and
+    one graph per tower."""
+    assert len(STARTUP_TEXT_BUCKETS) + 2 == STARTUP_GRAPHS
 
 
 def test_a_bucket_the_pool_refuses_hands_its_rows_to_smaller_ones(tiny_fp32: Path) -> None:
