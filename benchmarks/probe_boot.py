@@ -1,7 +1,8 @@
 """Probe (GPU): an engine booted as `eg2 serve` boots it, then what each request shape runs through.
 
     python -m benchmarks.probe_boot --out DIR [--checkpoint w4|bf16] [--modalities text]
-                                    [--budget-mib N] [--host-token-table] [--profile SHAPE,...]
+                                    [--budget-mib N] [--host-token-table] [--padded-text]
+                                    [--profile SHAPE,...]
 
 Generates (or reuses) the full-size random checkpoints of `eg2 bench`. After warm-up and the start-up
 captures it writes the plan, the graph pool's measured use, the captured and refused
@@ -44,6 +45,7 @@ def shapes() -> dict[str, tuple[list[Item], PrepareOptions]]:
         "32 short": ([text(12 + i % 8, i) for i in range(32)], PrepareOptions()),
         "64 docs": ([text(20 + (i * 7) % 40, i) for i in range(64)], PrepareOptions()),
         "doc 2200": ([text(2100, 1)], PrepareOptions()),
+        "doc 8000": ([text(7800, 2)], PrepareOptions()),
         "1 image": ([image], PrepareOptions()),
         "4 images": ([image] * 4, PrepareOptions()),
         "16 images": ([image] * 16, PrepareOptions()),
@@ -56,7 +58,7 @@ def shapes() -> dict[str, tuple[list[Item], PrepareOptions]]:
 
 def buckets(engine: Engine) -> tuple[set[str], set[str]]:
     graphs, refused = set(), set()
-    for g in (engine.graphs, engine.towers):
+    for g in (engine.graphs, engine.packed, engine.towers):
         if g is not None:
             graphs |= {str(k) for k, c in g.graphs.items() if c.graph is not None}
             refused |= {str(k) for k in g.refused}
@@ -96,18 +98,21 @@ def main() -> None:
     parser.add_argument("--modalities", default=None)
     parser.add_argument("--budget-mib", type=int, default=None)
     parser.add_argument("--host-token-table", action="store_true")
+    parser.add_argument("--padded-text", action="store_true", help="padded text graphs (packed_text off)")
     parser.add_argument(
         "--profile", default="", help="shapes to profile, comma-separated (e.g. query,1 image)"
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table = "-host-table" if args.host_token_table else ""
-    tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}"
+    padded = "-padded" if args.padded_text else ""
+    tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}{padded}"
     with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (bf16, w4):
         model_dir = w4 if args.checkpoint == "w4" else bf16
         options = EngineOptions(
             gpu_memory_budget=args.budget_mib * MIB if args.budget_mib else None,
             host_token_table=True if args.host_token_table else None,
+            packed_text=not args.padded_text,
         )
         modalities = args.modalities.split(",") if args.modalities else None
         engine = Engine.from_dir(model_dir, device="cuda", modalities=modalities, options=options)
@@ -122,7 +127,8 @@ def main() -> None:
     t0 = time.perf_counter()
     out["graphs_at_start"] = engine.capture_graphs()
     out["capture_s"] = time.perf_counter() - t0
-    pool = engine.graphs.pool if engine.graphs is not None else None
+    text = engine.packed or engine.graphs
+    pool = text.pool if text is not None else None
     out["pool"] = {
         "budget_mib": (pool.budget or 0) / MIB if pool else None,
         "used_mib": pool.used / MIB if pool else None,

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from app.bench_scale import running
 
+from benchmarks.server_process import running
 from eg2_runtime import samples
 
 

@@ -48,6 +48,7 @@ from eg2_runtime.inputs import (
 from eg2_runtime.loader import LoadReport, load_model
 from eg2_runtime.memory_plan import MIB, ActivationCosts, Footprint, MemoryPlan, default_budget, plan
 from eg2_runtime.model import EG2Model
+from eg2_runtime.packed_graphs import TOKEN_LADDER, PackedTextGraphs
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
 from eg2_runtime.tower_graphs import GraphedTowers
 
@@ -66,6 +67,8 @@ STATIC_BUFFERS = 24 * MIB
 # The text buckets captured at boot (capture_graphs): one text of up to 512 tokens, batches of short
 # texts. With one graph per tower, memory_plan.STARTUP_GRAPHS counts them (a test holds the two equal).
 STARTUP_TEXT_BUCKETS = (*((1, t) for t in LENGTH_LADDER if t <= 512), *((b, 64) for b in (8, 32, 64)))
+# The same for the packed text graphs (`packed_text`): every token bucket up to 64 texts of 64 tokens.
+STARTUP_TOKEN_BUCKETS = tuple(n for n in TOKEN_LADDER if n <= 64 * 64)
 
 # torch's CPU threads for the model's own CPU ops, read at import (on the importing thread, before any
 # preparing thread set its own count to one, which threads started later would inherit).
@@ -111,6 +114,10 @@ class EngineOptions:
     # layer's PLE slice is computed when it runs (24x fewer PLE bytes alive). The same result to
     # float rounding; off runs the reference's dense masks and up-front PLE.
     lean_text: bool = True
+    # The text encoder's graphs take a batch's items end to end (packed_graphs.py: varlen attention,
+    # one ladder of token buckets) instead of padded (rows x length) buckets (graphs.py): no work on
+    # padding, and a bucket per token count rather than per pair. Off: the padded buckets.
+    packed_text: bool = True
 
 
 class Engine:
@@ -145,6 +152,8 @@ class Engine:
         self.gpu_memory = gpu_memory or ProcessGpuMemory()
         self.plan: MemoryPlan | None = None
         self.graphs: GraphedTextEncoder | None = None
+        self.packed: PackedTextGraphs | None = None
+        self._eager_text = False  # warm-up: the packed text runs eagerly, as batches no graph holds
         self.towers: GraphedTowers | None = None
         if self.device.type != "cuda":
             if options.host_token_table:
@@ -166,10 +175,16 @@ class Engine:
         costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
-            self.graphs = GraphedTextEncoder(
-                model.language_model, tokens, pool=pool, token_bytes=costs.text_token
-            )
-        if self.graphs is not None and options.tower_graphs and self.modalities - {"text"}:
+            if options.packed_text:
+                self.packed = PackedTextGraphs(
+                    model.language_model, tokens, pool=pool, token_bytes=costs.text_token
+                )
+            else:
+                self.graphs = GraphedTextEncoder(
+                    model.language_model, tokens, pool=pool, token_bytes=costs.text_token
+                )
+        graphs_on = self.graphs is not None or self.packed is not None
+        if graphs_on and options.tower_graphs and self.modalities - {"text"}:
             self.towers = GraphedTowers(
                 model,
                 vision_slots=self.plan.graph_vision_slots,
@@ -400,6 +415,7 @@ class Engine:
         Call on the GPU thread."""
         limits = self.batch_token_limits()
         graphs, self.graphs = self.graphs, None
+        self._eager_text = True
         eager = self.towers.eager() if self.towers is not None else contextlib.nullcontext()
         try:
             with eager:
@@ -411,6 +427,7 @@ class Engine:
                         limits[modality] = n * one.cost
         finally:
             self.graphs = graphs
+            self._eager_text = False
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
                 self._cap_allocator()
@@ -445,20 +462,27 @@ class Engine:
         """Capture, at boot, the graphs short requests take: one text of up to 512 tokens, batches of
         short texts, one image of the default budget, one clip of up to ~10 s. Other buckets are
         captured on first use, within the memory plan (~0.1 s each). Returns how many graphs exist."""
-        if self.graphs is None:
+        text: GraphedTextEncoder | PackedTextGraphs | None = self.packed or self.graphs
+        if text is None:
             return 0
         t0 = time.perf_counter()
-        short = STARTUP_TEXT_BUCKETS
-        larger = [k for k in short if k[0] * k[1] >= 2048]  # the largest first: see GraphPool
-        self.graphs.capture_buckets(larger)
+        # The largest first (see GraphPool): the text buckets of 2,048 tokens and more, the towers',
+        # then the smaller text buckets, which reuse the blocks of the first.
+        if isinstance(text, PackedTextGraphs):
+            text.capture_buckets(n for n in STARTUP_TOKEN_BUCKETS if n >= 2048)
+        else:
+            text.capture_buckets(k for k in STARTUP_TEXT_BUCKETS if k[0] * k[1] >= 2048)
         towers = self.towers
         if towers is not None:
             towers.capture_startup(
                 IMAGE_TOKEN_BUDGETS[2] if "image" in self.modalities else None, "audio" in self.modalities
             )
-        self.graphs.capture_buckets(k for k in short if k not in larger)
+        if isinstance(text, PackedTextGraphs):
+            text.capture_buckets(STARTUP_TOKEN_BUCKETS)
+        else:
+            text.capture_buckets(STARTUP_TEXT_BUCKETS)
         self._cap_allocator()
-        n = len(self.graphs.graphs) + (len(towers.graphs) if towers is not None else 0)
+        n = len(text.graphs) + (len(towers.graphs) if towers is not None else 0)
         log.info("captured %d graphs in %.1f s", n, time.perf_counter() - t0)
         return n
 
@@ -489,25 +513,38 @@ class Engine:
         return self.forward(*self.device_batch(items))
 
     def device_batch(self, items: Sequence[Prepared]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Prepared items -> (input_ids on the host, the other model inputs on the device).
+        """Prepared items -> (input_ids on the host, the other model inputs on the device, but the
+        attention mask, which stays on the host beside the ids).
 
-        The ids stay on the host: the embedding lookup moves what it needs. Pixel patches stay uint8
-        codes (a quarter of the bytes to collate, copy and hold); the vision tower scales them.
+        The ids and the mask stay on the host: the embedding lookup moves what it needs, and the
+        packed path reads the items' lengths without a device sync. Pixel patches stay uint8 codes (a
+        quarter of the bytes to collate, copy and hold); the vision tower scales them.
         """
         inputs = collate(items, self.model.config.text.pad_token_id, pin=self.device.type == "cuda")
         ids = inputs.pop("input_ids")
-        return ids, {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        mask = inputs.pop("attention_mask")
+        on_device = {k: v.to(self.device, non_blocking=True) for k, v in inputs.items()}
+        return ids, {"attention_mask": mask, **on_device}
 
     def forward(self, input_ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """A batch as `device_batch` gives it -> (B, D) fp32 unit vectors on the device.
 
-        The reference path is EG2Model.forward. Here the text encoder plus pooling replay a captured
-        graph where a bucket holds the batch (else run eagerly, on the memory-lean path when
-        `lean_text`); the media towers replay theirs when `tower_graphs` is on (else run
-        eagerly), and the scatter of their soft tokens runs eagerly.
+        The reference path is EG2Model.forward. Here, with `packed_text`, the items' valid tokens are
+        laid end to end and the text encoder plus pooling replay the packed graphs
+        (packed_graphs.py); else they replay a padded bucket's graph where one holds the batch, or
+        run eagerly, on the memory-lean path when `lean_text`. The media towers replay theirs when
+        `tower_graphs` is on (else run eagerly), and the scatter of their soft tokens runs eagerly.
         """
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
         mask = inputs.pop("attention_mask")
+        if self.packed is not None:
+            valid = mask.cpu().bool()  # (B, T); on the host already from device_batch
+            # The valid ids end to end as one row: placeholders keep their reading order, so the
+            # media soft tokens scatter into the same places as in the padded batch.
+            flat = self.model.input_embeddings(input_ids.cpu()[valid][None], **inputs, towers=self.towers)[0]
+            lengths = valid.sum(1).tolist()
+            return self.packed.eager(flat, lengths) if self._eager_text else self.packed(flat, lengths)
+        mask = mask.to(self.device, non_blocking=True)
         embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
         vectors = self.graphs(embeds, mask.bool()) if self.graphs is not None else None
         if vectors is None:  # no graph, or no bucket holds it: a large batch, already GPU-bound

@@ -35,9 +35,12 @@ from eg2_runtime.config import FULL, SLIDING, TextConfig
 from eg2_runtime.packing import Packing
 
 BACKENDS = ("dense", "flex", "flash", "efficient")
-# Per layer kind on CUDA. FlexAttention's Triton kernel is untested at head_dim 512 (it holds a
-# 512-wide query tile and its accumulator on chip); the CUTLASS kernel is what SDPA runs there today.
-CUDA_BACKENDS = {SLIDING: "flex", FULL: "efficient"}
+# Per layer kind on CUDA, what the engine serves: FlashAttention-2 varlen with the window on the
+# sliding layers (head_dim 256), the CUTLASS varlen kernel on the full layers (head_dim 512, past
+# FlashAttention's 256). Both take the packing's tensors without a host sync, so CUDA graphs capture
+# them. FlexAttention's compiled kernel recompiled per graph bucket under capture (H200, 2026-12-01:
+# dynamo's recompile limit, each bucket's block mask closing over new tensors).
+CUDA_BACKENDS = {SLIDING: "flash", FULL: "efficient"}
 CPU_BACKENDS = {SLIDING: "dense", FULL: "dense"}
 FLASH_MAX_HEAD_DIM = 256
 

@@ -44,6 +44,19 @@ class Packing:
         tail, items past it are empty. `max_len` overrides the bound on an item's length (a graph
         bakes it in: pass the bucket's `tokens`). Built on the host and copied over in one transfer.
         """
+        flat = cls.layout(lengths, tokens, items)
+        s = len(lengths) + (1 if tokens is not None and tokens > sum(lengths) else 0)
+        s = s if items is None else items
+        longest = max(lengths) if max_len is None else max_len
+        if longest < max(lengths) or (tokens is not None and longest < tokens - sum(lengths)):
+            raise ValueError(f"max_len {longest} is below the longest item")
+        return cls.from_layout(flat.to(device), s, longest)
+
+    @staticmethod
+    def layout(lengths: Sequence[int], tokens: int | None = None, items: int | None = None) -> torch.Tensor:
+        """The packing's tensors side by side on the host, int32: cu_seqlens (S + 1), doc ids (N),
+        positions (N): what `from_layout` reads, one copy to the device. `tokens`, `items`: as
+        `from_lengths`."""
         if not lengths or min(lengths) < 1:
             raise ValueError(f"every item needs at least one token, got lengths {list(lengths)[:8]}")
         real = sum(lengths)
@@ -55,15 +68,18 @@ class Packing:
                 f"{len(lengths)} items of {real} tokens do not fit a bucket of {s} items, {n} tokens"
             )
         sizes += [0] * (s - len(sizes))
-        longest = max(sizes) if max_len is None else max_len
-        if longest < max(sizes):
-            raise ValueError(f"max_len {longest} is below the longest item, {max(sizes)} tokens")
         size = torch.tensor(sizes, dtype=torch.int32)
         cu = F.pad(size.cumsum(0, dtype=torch.int32), (1, 0))
         doc = torch.repeat_interleave(torch.arange(s, dtype=torch.int32), size)
         pos = torch.arange(n, dtype=torch.int32) - cu[doc.long()]
-        flat = torch.cat([cu, doc, pos]).to(device)
-        return cls(flat[: s + 1], flat[s + 1 : s + 1 + n], flat[s + 1 + n :], longest)
+        return torch.cat([cu, doc, pos])
+
+    @classmethod
+    def from_layout(cls, flat: torch.Tensor, items: int, max_len: int) -> Packing:
+        """The Packing whose tensors are views of `flat` (`layout`'s order) for S = `items`: a graph's
+        static buffer, which a new layout is copied into before each replay."""
+        n = (flat.shape[0] - items - 1) // 2
+        return cls(flat[: items + 1], flat[items + 1 : items + 1 + n], flat[items + 1 + n :], max_len)
 
     def copy_(self, other: Packing) -> None:
         """Take `other`'s layout into these tensors in place (a captured graph reads them)."""

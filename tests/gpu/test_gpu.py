@@ -251,40 +251,51 @@ def test_fast_paths_match_reference_path(full: dict[str, Path], results: Path | 
 
     - CUDA graphs over padded buckets vs the same kernels run eagerly: equal to 1e-5 in cosine;
     - the fused RMSNorm rounds some BF16 outputs one step differently, so it is held to the BF16
-      reference path's own distance from FP32: 1 - cos(fast, fp32) <= 3 (1 - cos(bf16, fp32)) + 1e-5.
+      reference path's own distance from FP32: 1 - cos(fast, fp32) <= 3 (1 - cos(bf16, fp32)) + 1e-5;
+    - the served path, packed text graphs (varlen attention kernels, the fused norms), to the same
+      rule, and to cosine >= 0.9999 against the BF16 reference.
     """
     fp32 = _engine(full["w4"], graph_max_tokens=0, fused_norms=False, dtype=torch.float32)
     reference = _engine(full["w4"], graph_max_tokens=0, fused_norms=False)
     fused = _engine(full["w4"], graph_max_tokens=0)
-    graphed = _engine(full["w4"])
+    graphed = _engine(full["w4"], packed_text=False)
+    packed = _engine(full["w4"])
     cos = lambda a, b: np.sum(a * b, axis=1)  # noqa: E731
     figures: dict[str, Any] = {}
     failures = []
     for name, items in _fast_path_items().items():
         prepared = [reference.prepare(x, PrepareOptions()) for x in items]
-        exact, ref, b, c = (e.embed(prepared) for e in (fp32, reference, fused, graphed))
+        exact, ref, b, c, p = (e.embed(prepared) for e in (fp32, reference, fused, graphed, packed))
         assert np.array_equal(c, graphed.embed(prepared)), f"{name}: two replays of one graph differ"
-        ref_err, fast_err = 1 - cos(ref, exact), 1 - cos(c, exact)
+        assert np.array_equal(p, packed.embed(prepared)), f"{name}: two replays of a packed graph differ"
+        ref_err = 1 - cos(ref, exact)
         figures[name] = {
             "tokens": [p.num_tokens for p in prepared],
             "graphed_vs_fused_min_cosine": round(float(cos(b, c).min()), 7),
             "fast_vs_reference_min_cosine": round(float(cos(c, ref).min()), 6),
+            "packed_vs_reference_min_cosine": round(float(cos(p, ref).min()), 6),
             "reference_vs_fp32_min_cosine": round(float(cos(ref, exact).min()), 6),
             "fast_vs_fp32_min_cosine": round(float(cos(c, exact).min()), 6),
+            "packed_vs_fp32_min_cosine": round(float(cos(p, exact).min()), 6),
             "reference_ms": _median_ms(lambda p=prepared: reference.embed(p)),  # type: ignore[misc]
             "fused_ms": _median_ms(lambda p=prepared: fused.embed(p)),  # type: ignore[misc]
             "graphed_ms": _median_ms(lambda p=prepared: graphed.embed(p)),  # type: ignore[misc]
+            "packed_ms": _median_ms(lambda p=prepared: packed.embed(p)),  # type: ignore[misc]
         }
         if figures[name]["graphed_vs_fused_min_cosine"] < 1 - 1e-5:
             failures.append(f"{name}: graphs change the result")
-        if np.any(fast_err > 3 * ref_err + 1e-5):
-            failures.append(
-                f"{name}: fast path off FP32 by {fast_err.max():.2e}, BF16 reference by {ref_err.max():.2e}"
-            )
-    assert graphed.graphs is not None
+        for path, got in (("padded graphs", c), ("packed graphs", p)):
+            fast_err = 1 - cos(got, exact)
+            if np.any(fast_err > 3 * ref_err + 1e-5):
+                failures.append(
+                    f"{name}: {path} off FP32 by {fast_err.max():.2e}, BF16 reference by {ref_err.max():.2e}"
+                )
+        if figures[name]["packed_vs_reference_min_cosine"] < 0.9999:
+            failures.append(f"{name}: packed graphs against the reference below 0.9999")
+    assert packed.packed is not None  # the served text path: packed graphs
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    n = graphed.capture_graphs()
+    n = packed.capture_graphs()
     figures["startup_captures"] = {"graphs": n, "seconds": round(time.perf_counter() - t0, 2)}
     record(results, "gpu_fast_paths", figures)
     assert not failures, f"{failures}: {figures}"
@@ -367,7 +378,7 @@ def test_tiny_graph_captures_match_eager(tiny_w4: Path, results: Path | None, dt
     """
     eager = _engine(tiny_w4, dtype=dtype, graph_max_tokens=0)
     graphed = _engine(tiny_w4, dtype=dtype)
-    assert graphed.graphs is not None and graphed.towers is not None
+    assert graphed.packed is not None and graphed.towers is not None
     image = lambda i: Item((MediaPart("image", samples.png(640, 480, i)),))  # noqa: E731
     cases = {
         **{k: v for k, v in _fast_path_items().items() if k != "1 long"},

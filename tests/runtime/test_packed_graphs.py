@@ -1,0 +1,144 @@
+"""The packed text graphs (packed_graphs.py) against the reference path, on the CPU with the tiny
+checkpoint: each bucket's step runs eagerly here (the captured graphs are checked against the same
+reference on the H200, tests/gpu/test_gpu.py). Buckets, runs of items, the pad tail and the pool's
+refusals must not move a vector beyond float rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from eg2_runtime.graphs import GraphPool
+from eg2_runtime.loader import load_model
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
+from eg2_runtime.model import pool
+from eg2_runtime.packed_graphs import MAX_ITEMS, TOKEN_LADDER, PackedTextGraphs, items_for, runs
+from eg2_runtime.text import TextEncoder
+
+TOL = 1e-5  # FP32
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_fp32: Path) -> TextEncoder:
+    model, _ = load_model(tiny_fp32, "cpu")
+    return model.language_model
+
+
+def reference(encoder: TextEncoder, embeds: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The same items padded, through TextEncoder.forward and pool (the reference path)."""
+    t = max(lengths)
+    padded = torch.zeros(len(lengths), t, embeds.shape[-1])
+    valid = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+    padded[valid] = embeds
+    return pool(encoder(padded, valid).float(), valid)
+
+
+def check(graphs: PackedTextGraphs, lengths: list[int], seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    embeds = torch.randn(sum(lengths), graphs.encoder.cfg.hidden_size)
+    with torch.inference_mode():
+        expected = reference(graphs.encoder, embeds, lengths)
+        got = graphs(embeds, lengths)
+        again = graphs(embeds, lengths)  # the static buffers are reused: a second call still holds
+    assert got.shape == expected.shape == (len(lengths), expected.shape[1])
+    assert (got - expected).abs().max() < TOL
+    assert torch.equal(got, again)
+    return got
+
+
+@pytest.mark.parametrize(
+    ("lengths", "bucket"),
+    [
+        ([5], 32),  # one short item and a pad tail
+        ([17, 3, 9], 32),  # three items, pad tail of 3
+        ([40, 40], 128),  # longer than the tiny model's sliding window (8): the window inside items
+        ([16, 16], 32),  # an exact bucket: no pad tail
+        ([30, 30, 30, 30, 30], 192),  # 150 tokens: a pad tail of 42
+    ],
+)
+def test_a_packed_bucket_equals_the_padded_reference(
+    encoder: TextEncoder, lengths: list[int], bucket: int
+) -> None:
+    graphs = PackedTextGraphs(encoder, max_tokens=1024, capture=False)
+    assert graphs.bucket(sum(lengths), len(lengths)) == bucket
+    check(graphs, lengths)
+    assert set(graphs.graphs) == {bucket}
+
+
+def test_a_bucket_keeps_a_slot_for_its_pad_tail(encoder: TextEncoder) -> None:
+    graphs = PackedTextGraphs(encoder, max_tokens=1024, capture=False)
+    # 4 items of 7 tokens: 28 tokens fit 32, but 32 has items_for(32) = 4 slots, none left for the
+    # pad tail of 4; the next rung has room.
+    assert items_for(32) == 4
+    assert graphs.bucket(28, 4) == 64
+    assert graphs.bucket(32, 4) == 32  # exact: no pad tail
+    check(graphs, [7, 7, 7, 7])
+
+
+def test_runs_cut_by_items_and_tokens() -> None:
+    assert list(runs([10] * 5, top=30)) == [(0, 3), (3, 5)]
+    assert list(runs([50, 10, 10], top=30)) == [(0, 1), (1, 3)]  # too long alone: a run of its own
+    assert list(runs([1] * (MAX_ITEMS + 3), top=10_000)) == [(0, MAX_ITEMS), (MAX_ITEMS, MAX_ITEMS + 3)]
+
+
+def test_many_items_replay_in_runs_and_come_back_in_order(encoder: TextEncoder) -> None:
+    graphs = PackedTextGraphs(encoder, max_tokens=256, capture=False)
+    lengths = [(i * 7) % 23 + 1 for i in range(MAX_ITEMS + 20)]  # > MAX_ITEMS items, > 256 tokens
+    check(graphs, lengths)
+    assert len(graphs.graphs) >= 2
+
+
+def test_an_item_past_every_bucket_runs_eagerly(encoder: TextEncoder) -> None:
+    graphs = PackedTextGraphs(encoder, max_tokens=64, capture=False)
+    check(graphs, [100, 5, 3])  # the 100-token item alone, eagerly; the others in a bucket
+    assert all(n <= 64 for n in graphs.graphs)
+
+
+def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_runs(encoder: TextEncoder) -> None:
+    # 256 tokens cost 4 executables: after the 256-token bucket (5) the pool has room for three
+    # more executables, not for a larger bucket's activations.
+    pool = GraphPool(budget=8 * GRAPH_EXECUTABLE)
+    token_bytes = GRAPH_EXECUTABLE // 64
+    graphs = PackedTextGraphs(encoder, max_tokens=1024, pool=pool, token_bytes=token_bytes, capture=False)
+    assert graphs.capture_buckets([256]) == 1
+    lengths = [20] * 20  # 400 tokens: would take 512, then 384, both refused
+    check(graphs, lengths)
+    assert {384, 512} <= graphs.refused
+    # Cut for 384 first (19 items and 1), then for 256: 12 items in 256, 7 in 192, the last in 32.
+    assert set(graphs.graphs) == {256, 192, 32}
+
+
+def test_the_ladder_is_sorted_and_every_rung_holds_its_items() -> None:
+    assert list(TOKEN_LADDER) == sorted(set(TOKEN_LADDER))
+    assert all(items_for(n) <= MAX_ITEMS + 1 for n in TOKEN_LADDER)
+
+
+def test_the_engine_packs_text_and_media_batches_as_the_padded_path_runs_them(tiny_fp32: Path) -> None:
+    """Engine.forward with packed text (the valid ids end to end, media soft tokens scattered into
+    that one row) against the same engine's padded path, on mixed batches."""
+    from eg2_runtime import samples
+    from eg2_runtime.engine import Engine
+    from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+
+    engine = Engine.from_dir(tiny_fp32, device="cpu")
+    batches = {
+        "texts": [Item((TextPart("a short query"),)), Item((TextPart("a longer document " * 12),))],
+        "images and text": [
+            Item((MediaPart("image", samples.png(64, 48, 1)),)),
+            Item((TextPart("between two images"),)),
+            Item((TextPart("an image:"), MediaPart("image", samples.png(40, 70, 2)))),
+        ],
+        "clips": [Item((MediaPart("audio", samples.wav(s)),)) for s in (1.0, 0.4)],
+    }
+    for name, items in batches.items():
+        prepared = [engine.prepare(x, PrepareOptions()) for x in items]
+        padded = engine.embed(prepared)
+        engine.packed = PackedTextGraphs(engine.model.language_model, max_tokens=512, capture=False)
+        try:
+            packed = engine.embed(prepared)
+        finally:
+            engine.packed = None
+        assert packed.shape == padded.shape, name
+        assert abs(packed - padded).max() < TOL, name
