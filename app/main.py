@@ -47,6 +47,10 @@ def create_app(settings: Settings, engine: EngineAPI | None = None) -> FastAPI:
         # from the client's Host header, so anyone could make this server answer with a link to theirs.
         # Clients call the documented paths; none relies on the redirect.
         redirect_slashes=False,
+        # FastAPI's built-in OpenTelemetry hooks look up the global providers on every request
+        # (~4% of the event loop's samples under load, py-spy); the service reports through its own
+        # /metrics and logs.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.service = service
     install_error_handlers(app)

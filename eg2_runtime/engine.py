@@ -116,7 +116,8 @@ class EngineOptions:
     lean_text: bool = True
     # The text encoder's graphs take a batch's items end to end (packed_graphs.py: varlen attention,
     # one ladder of token buckets) instead of padded (rows x length) buckets (graphs.py): no work on
-    # padding, and a bucket per token count rather than per pair. Off: the padded buckets.
+    # padding, and a bucket per token count rather than per pair. Off (or computing in FP32): the
+    # padded buckets.
     packed_text: bool = True
 
 
@@ -175,7 +176,7 @@ class Engine:
         costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
-            if options.packed_text:
+            if options.packed_text and model.dtype == torch.bfloat16:  # FlashAttention: BF16 only
                 self.packed = PackedTextGraphs(
                     model.language_model, tokens, pool=pool, token_bytes=costs.text_token
                 )

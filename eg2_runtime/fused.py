@@ -6,7 +6,9 @@ the one place that knows which kernel each gets:
 - RMSNorm: rmsnorm_triton.rms_norm (every tower);
 - GatedMLP: mlp_triton.gelu_tanh_mul (text and vision);
 - VisionAttention: rope_triton.rms_norm_rope, q and k normalized and rotated in one kernel each;
-- VisionLayer: rmsnorm_triton.add_rms_norm, each residual add with the norms around it.
+- VisionLayer: rmsnorm_triton.add_rms_norm, each residual add with the norms around it;
+- TextAttention: rope_triton.rms_norm_rope on the packed path (text.TextAttention.forward_packed);
+- TextLayer: rmsnorm_triton.add_rms_norm, as VisionLayer, and the PLE block's add and norm.
 
 A fused module runs its kernel on whatever tensors it gets: switch a model on CUDA (the engine does,
 after one probe launch), or anywhere under Triton's CPU interpreter (the tests). The kernels
@@ -20,9 +22,10 @@ from typing import Any
 from torch import nn
 
 from eg2_runtime.layers import GatedMLP, RMSNorm
+from eg2_runtime.text import TextAttention, TextLayer
 from eg2_runtime.vision import VisionAttention, VisionLayer
 
-FUSABLE = (RMSNorm, GatedMLP, VisionAttention, VisionLayer)
+FUSABLE = (RMSNorm, GatedMLP, VisionAttention, VisionLayer, TextAttention, TextLayer)
 
 
 def use_fused_kernels(model: nn.Module, enable: bool = True) -> int:
@@ -47,4 +50,6 @@ def _kernels() -> dict[type[nn.Module], Any]:
         GatedMLP: mlp_triton.gelu_tanh_mul,
         VisionAttention: rope_triton.rms_norm_rope,
         VisionLayer: rmsnorm_triton.add_rms_norm,
+        TextAttention: rope_triton.rms_norm_rope,
+        TextLayer: rmsnorm_triton.add_rms_norm,
     }

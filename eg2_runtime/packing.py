@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -56,7 +57,11 @@ class Packing:
     def layout(lengths: Sequence[int], tokens: int | None = None, items: int | None = None) -> torch.Tensor:
         """The packing's tensors side by side on the host, int32: cu_seqlens (S + 1), doc ids (N),
         positions (N): what `from_layout` reads, one copy to the device. `tokens`, `items`: as
-        `from_lengths`."""
+        `from_lengths`.
+
+        Built with numpy: torch's CPU ops on these few hundred values cost more in their thread pool's
+        start-up than in work (H200 host, 16 threads: ~1.8 ms a repeat_interleave under the profiler).
+        """
         if not lengths or min(lengths) < 1:
             raise ValueError(f"every item needs at least one token, got lengths {list(lengths)[:8]}")
         real = sum(lengths)
@@ -67,12 +72,16 @@ class Packing:
             raise ValueError(
                 f"{len(lengths)} items of {real} tokens do not fit a bucket of {s} items, {n} tokens"
             )
-        sizes += [0] * (s - len(sizes))
-        size = torch.tensor(sizes, dtype=torch.int32)
-        cu = F.pad(size.cumsum(0, dtype=torch.int32), (1, 0))
-        doc = torch.repeat_interleave(torch.arange(s, dtype=torch.int32), size)
-        pos = torch.arange(n, dtype=torch.int32) - cu[doc.long()]
-        return torch.cat([cu, doc, pos])
+        size = np.zeros(s, dtype=np.int32)
+        size[: len(sizes)] = sizes
+        flat = np.empty(s + 1 + 2 * n, dtype=np.int32)
+        cu = flat[: s + 1]
+        cu[0] = 0
+        np.cumsum(size, out=cu[1:])
+        doc = flat[s + 1 : s + 1 + n]
+        doc[:] = np.repeat(np.arange(s, dtype=np.int32), size)
+        flat[s + 1 + n :] = np.arange(n, dtype=np.int32) - cu[doc]
+        return torch.from_numpy(flat)
 
     @classmethod
     def from_layout(cls, flat: torch.Tensor, items: int, max_len: int) -> Packing:

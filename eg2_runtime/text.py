@@ -29,9 +29,17 @@ from eg2_runtime.packing import Packing
 
 # q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# rope_triton.rms_norm_rope: (x, weight, eps, cos, sin, sections) -> rope(norm(x))
+NormRope = Callable[[torch.Tensor, torch.Tensor | None, float, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# rmsnorm_triton.add_rms_norm: (x, y, y_weight, y_eps, sum_weight, sum_eps) -> (x + norm(y), norm(sum))
+AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class TextAttention(nn.Module):
+    """`fused` (the packed path): q and k each normalized and rotated in one kernel
+    (rope_triton.rms_norm_rope), set by fused.use_fused_kernels; None runs q_norm / k_norm, then
+    apply_rope."""
+
     def __init__(self, cfg: TextConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -45,6 +53,7 @@ class TextAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
+        self.fused: NormRope | None = None
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., H) -> q (..., nh, hd), k and v (..., kv, hd), normed: the per-token half of attention.
@@ -77,11 +86,18 @@ class TextAttention(nn.Module):
     def forward_packed(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        """(N, H) tokens of packed items, cos/sin (N, 1, hd) -> (N, H); `attend` keeps each item to
+        """(N, H) tokens of packed items, cos/sin (N, hd) -> (N, H); `attend` keeps each item to
         itself (packed_attention.py)."""
-        q, k, v = self.project(x)  # (N, nh or kv, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(attend(q, k, v).reshape(x.shape[0], -1))
+        n = x.shape[0]
+        if self.fused is None:
+            q, k, v = self.project(x)  # (N, nh or kv, hd)
+            q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
+        else:
+            shape = (n, -1, self.head_dim)
+            q = self.fused(self.q_proj(x).view(shape), self.q_norm.weight, self.q_norm.eps, cos, sin, 1)
+            k = self.fused(self.k_proj(x).view(shape), self.k_norm.weight, self.k_norm.eps, cos, sin, 1)
+            v = self.v_norm(self.v_proj(x).view(shape))
+        return self.o_proj(attend(q, k, v).reshape(n, -1))
 
 
 class PLEBlock(nn.Module):
@@ -94,11 +110,18 @@ class PLEBlock(nn.Module):
         self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
+        return x + self.post_per_layer_input_norm(self.update(x, ple))
+
+    def update(self, x: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
+        """(B, T, H) -> (B, T, H): what is normalized and added to the stream."""
         gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple  # (B, T, P)
-        return x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return self.per_layer_projection(gated)
 
 
 class TextLayer(nn.Module):
+    """`fused`: each residual add with the norm before it, and the MLP's pre-norm, in one kernel
+    (rmsnorm_triton.add_rms_norm), set by fused.use_fused_kernels; None runs the modules one by one."""
+
     def __init__(self, cfg: TextConfig, layer: int) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -110,6 +133,7 @@ class TextLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.ple_block = PLEBlock(cfg)
         self.layer_scalar = nn.Buffer(torch.ones(1))
+        self.fused: AddNorm | None = None
 
     def forward(
         self,
@@ -129,9 +153,18 @@ class TextLayer(nn.Module):
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         """The per-token rest of the layer: residual, MLP block, PLE gate, layer scalar."""
-        x = x + self.post_attention_layernorm(attn)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = self.ple_block(x, ple)
+        if self.fused is None:
+            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = self.ple_block(x, ple)
+            return x * self.layer_scalar
+        post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        x, h = self.fused(x, attn, post.weight, post.eps, pre.weight, pre.eps)
+        assert h is not None
+        post = self.post_feedforward_layernorm
+        x = self.fused(x, self.mlp(h), post.weight, post.eps, None, None)[0]
+        post = self.ple_block.post_per_layer_input_norm
+        x = self.fused(x, self.ple_block.update(x, ple), post.weight, post.eps, None, None)[0]
         return x * self.layer_scalar
 
 
@@ -253,8 +286,8 @@ class TextEncoder(nn.Module):
             kind = cfg.layer_types[i]
             key = (kind, cfg.head_dims[i])
             if key not in rope:
-                cos, sin = rope_cos_sin(packing.positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
-                rope[key] = cos[:, None], sin[:, None]  # (N, 1, hd): one angle per token, every head
+                # (N, hd): one angle per token and channel, shared by the heads
+                rope[key] = rope_cos_sin(packing.positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
             attend = functools.partial(attention, kind)
             ple = self.ple.layer(embeds, i)  # (N, P): each layer's slice when it runs, as the lean path
             x = cast(TextLayer, layer).forward_packed(x, ple, *rope[key], attend)
