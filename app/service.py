@@ -124,6 +124,7 @@ def load_engine(settings: Settings) -> EngineAPI:
         gpu_memory_budget=None if settings.gpu_memory_mib is None else settings.gpu_memory_mib << 20,
         max_forward_tokens=settings.max_batch_tokens,
         graph_max_tokens=settings.cuda_graph_max_tokens,
+        packed_text=settings.packed_text,
         host_token_table=settings.host_token_table,
     )
     engine: EngineAPI = Engine.from_dir(

@@ -96,10 +96,17 @@ class Settings(BaseSettings):
     cuda_graph_max_tokens: int = Field(
         default=16384,
         ge=0,
-        description="CUDA graphs for the text encoder, for padded batches (items x longest) up to this "
-        "many tokens, and at most what the GPU memory budget's graph pool holds; 0 turns them off. Short "
-        "inputs run up to 10x faster (1 query: 3.5 vs 41 ms on the H200; launches are most of their "
-        "cost). A larger batch of short rows runs as several replays. GPU only.",
+        description="CUDA graphs for the text encoder, for batches up to this many tokens (packed: the "
+        "items' tokens end to end; padded: items x longest), and at most what the GPU memory budget's "
+        "graph pool holds; 0 turns them off. Short inputs run up to 10x faster (1 query: 3.5 vs 41 ms "
+        "on the H200; launches are most of their cost). A larger batch runs as several replays. GPU only.",
+    )
+    packed_text: bool = Field(
+        default=True,
+        description="Run text batches packed: the items' tokens end to end, attention kept within each "
+        "item by varlen kernels, CUDA graphs per token bucket: no work on padding, and one graph per "
+        "token count instead of one per (items, length) pair (docs/PERF.md measures both). False: "
+        "padded graph buckets, for comparison. GPU, BF16 only; elsewhere text runs padded.",
     )
     cuda_graphs_at_start: bool = Field(
         default=True,

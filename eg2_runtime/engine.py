@@ -539,10 +539,12 @@ class Engine:
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
         mask = inputs.pop("attention_mask")
         if self.packed is not None:
-            valid = mask.cpu().bool()  # (B, T); on the host already from device_batch
             # The valid ids end to end as one row: placeholders keep their reading order, so the
-            # media soft tokens scatter into the same places as in the padded batch.
-            flat = self.model.input_embeddings(input_ids.cpu()[valid][None], **inputs, towers=self.towers)[0]
+            # media soft tokens scatter into the same places as in the padded batch. numpy, not
+            # torch: torch's CPU thread pool made this mask index cost ~1.2 ms for 64 docs (H200 host).
+            valid = mask.cpu().numpy().astype(bool)  # (B, T); on the host already from device_batch
+            ids = torch.from_numpy(input_ids.cpu().numpy()[valid])[None]  # (1, N)
+            flat = self.model.input_embeddings(ids, **inputs, towers=self.towers)[0]  # (N, H)
             lengths = valid.sum(1).tolist()
             return self.packed.eager(flat, lengths) if self._eager_text else self.packed(flat, lengths)
         mask = mask.to(self.device, non_blocking=True)

@@ -252,8 +252,8 @@ def test_fast_paths_match_reference_path(full: dict[str, Path], results: Path | 
     - CUDA graphs over padded buckets vs the same kernels run eagerly: equal to 1e-5 in cosine;
     - the fused RMSNorm rounds some BF16 outputs one step differently, so it is held to the BF16
       reference path's own distance from FP32: 1 - cos(fast, fp32) <= 3 (1 - cos(bf16, fp32)) + 1e-5;
-    - the served path, packed text graphs (varlen attention kernels, the fused norms), to the same
-      rule, and to cosine >= 0.9999 against the BF16 reference.
+    - the served path, packed text graphs (varlen attention kernels, fused norms and RoPE), to the
+      same rule, and no further from the BF16 reference than 2x the padded graphs (+ 1e-5).
     """
     fp32 = _engine(full["w4"], graph_max_tokens=0, fused_norms=False, dtype=torch.float32)
     reference = _engine(full["w4"], graph_max_tokens=0, fused_norms=False)
@@ -296,8 +296,12 @@ def test_fast_paths_match_reference_path(full: dict[str, Path], results: Path | 
                 failures.append(
                     f"{name}: {path} off FP32 by {fast_err.max():.2e}, BF16 reference by {ref_err.max():.2e}"
                 )
-        if figures[name]["packed_vs_reference_min_cosine"] < 0.9999:
-            failures.append(f"{name}: packed graphs against the reference below 0.9999")
+        # Against the BF16 reference, the packed path may stand no further off than the padded
+        # graphs do (2x + 1e-5): on random weights BF16 rounding alone puts both at 0.9995-0.9997 on
+        # short mixed texts (H200, 2026-12-01), where the reference itself is 0.9988 from FP32.
+        packed_off, padded_off = (1 - cos(x, ref) for x in (p, c))
+        if np.any(packed_off > 2 * padded_off.max() + 1e-5):
+            failures.append(f"{name}: packed graphs further from the reference than 2x the padded graphs")
     assert packed.packed is not None  # the served text path: packed graphs
     torch.cuda.synchronize()
     t0 = time.perf_counter()
