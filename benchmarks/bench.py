@@ -174,7 +174,7 @@ def parse(argv: list[str]) -> Options:
         "--time-limit", type=float, help="stop the run after this many seconds [510; none with --quick]"
     )
     parser.add_argument(
-        "--commit", help="the commit to record where the checkout has no git metadata (a copied tree)"
+        "--commit", help="the commit to record instead of the checkout's own (a copied tree's may be stale)"
     )
     args = parser.parse_args(argv)
     q = args.quick
@@ -497,7 +497,8 @@ def _meta(opts: Options, t_origin: float) -> dict[str, Any]:
                 "nvidia-ml-py",
             )
         },
-        "git": _git() or (f"{opts.commit} (given)" if opts.commit else None),
+        # A copied tree may carry stale git metadata (the H200's copy does): a given commit wins.
+        "git": f"{opts.commit} (given)" if opts.commit else _git(),
     }
 
 

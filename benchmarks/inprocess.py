@@ -185,7 +185,9 @@ class Ours:
         """One item's forward FLOPs, counted once per matrix row on the same math run op by op (a
         FLOP counter cannot see inside a CUDA graph replay)."""
         if family not in self._flops:
-            ids, on_device = self.engine.device_batch([p.inputs for p in self.prepare([x])])
+            ids, inputs = self.engine.device_batch([p.inputs for p in self.prepare([x])])
+            # device_batch keeps the attention mask on the host (the packed path reads it there).
+            on_device = {k: v.to(self.engine.device) for k, v in inputs.items()}
 
             @torch.inference_mode()
             def eager() -> object:
