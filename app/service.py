@@ -125,6 +125,7 @@ def load_engine(settings: Settings) -> EngineAPI:
         max_forward_tokens=settings.max_batch_tokens,
         graph_max_tokens=settings.cuda_graph_max_tokens,
         packed_text=settings.packed_text,
+        cpu_threads=settings.engine_cpu_threads,
         host_token_table=settings.host_token_table,
     )
     engine: EngineAPI = Engine.from_dir(

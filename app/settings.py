@@ -101,6 +101,15 @@ class Settings(BaseSettings):
         "graph pool holds; 0 turns them off. Short inputs run up to 10x faster (1 query: 3.5 vs 41 ms "
         "on the H200; launches are most of their cost). A larger batch runs as several replays. GPU only.",
     )
+    engine_cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch's CPU threads on the engine's thread. Unset: every core on a CPU, where the "
+        "model runs on them; one on a GPU, where that thread only collates, gathers token rows and "
+        "copies, and a wider OpenMP team's spinning threads take cores from the threads preparing media "
+        "(docs/PERF.md measures it). More threads on a GPU: faster host gathers of very large text "
+        "batches, slower media preparing beside them.",
+    )
     packed_text: bool = Field(
         default=True,
         description="Run text batches packed: the items' tokens end to end, attention kept within each "

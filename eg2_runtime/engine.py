@@ -119,6 +119,12 @@ class EngineOptions:
     # padding, and a bucket per token count rather than per pair. Off (or computing in FP32): the
     # padded buckets.
     packed_text: bool = True
+    # torch's CPU threads on the thread that calls `embed`. None: every core on a CPU, where the model
+    # runs on them; one on a GPU, where that thread's CPU work is collating, the token-table gather
+    # and copies, and an OpenMP team's spinning threads took cores from the preparing threads (H200,
+    # 2026-12-01, `eg2 serve` under OMP_NUM_THREADS=1 against the default in one call: 16 clients'
+    # single images 92 -> 140 req/s, clips 96 -> 132, a 2,200-token text 11.3 -> 12.0 ms).
+    cpu_threads: int | None = None
 
 
 class Engine:
@@ -141,6 +147,7 @@ class Engine:
         self.model_dir = model_dir
         self.options = options = options or EngineOptions()
         self.device = model.language_model.embedding_projection.weight.device
+        self.cpu_threads = options.cpu_threads or (1 if self.device.type == "cuda" else MODEL_CPU_THREADS)
         self.modalities = frozenset(model.modalities)
         self.prompts = dict(preprocessor.prompts.prompts)
         self.default_prompt_name = preprocessor.prompts.default_name
@@ -317,8 +324,8 @@ class Engine:
         many threads at once, and each thread's ops spreading over every core again made the OpenMP
         teams thrash (dev machine, 2 cores: one 641x479 PNG on a pool worker 8.9 -> 5.0 ms, 16 on 8
         workers 121 -> 68 ms; benchmarks/probe_prepare.py). torch's count is per thread, but threads
-        started after this one begin with one too: `embed` gives its thread MODEL_CPU_THREADS back (all
-        cores by default), which the model's CPU ops need. On the H200's 16-core host one thread
+        started after this one begin with one too: `embed` gives its thread the model's count
+        (EngineOptions.cpu_threads: all cores on a CPU, which the model's CPU ops need). On the H200's 16-core host one thread
         was no faster (probe_prepare, 2026-12-01: 16 images on 8 threads 39.0 ms with 16 torch
         threads, 43.7 with one); docs/PERF.md has both figures."""
         torch.set_num_threads(1)
@@ -490,8 +497,8 @@ class Engine:
     @torch.inference_mode()
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         """(B, 768) float32 unit vectors, in batch order."""
-        if torch.get_num_threads() != MODEL_CPU_THREADS:  # a thread started after a preparing one
-            torch.set_num_threads(MODEL_CPU_THREADS)
+        if torch.get_num_threads() != self.cpu_threads:  # per thread: set on the model's own
+            torch.set_num_threads(self.cpu_threads)
         try:
             parts = [self._forward([p.inputs for p in chunk]).cpu() for chunk in self._chunks(batch)]
         except torch.OutOfMemoryError as e:

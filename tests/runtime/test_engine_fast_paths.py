@@ -271,3 +271,18 @@ def test_numpy_blas_is_single_threaded_and_torch_is_not(tiny_fp32: Path) -> None
     numpy_blas = [i for i in threadpool_info() if "numpy" in i["filepath"] and i["user_api"] == "blas"]
     assert numpy_blas and all(i["num_threads"] == 1 for i in numpy_blas), numpy_blas
     assert torch.get_num_threads() == torch_threads
+
+
+def test_the_model_thread_takes_the_cpu_threads_the_options_give(tiny_fp32: Path) -> None:
+    """EngineOptions.cpu_threads sets the embedding thread's count (on a GPU it defaults to one:
+    that thread only collates and copies there); unset on a CPU, every core stays the model's."""
+    engine = Engine.from_dir(tiny_fp32, device="cpu", options=EngineOptions(cpu_threads=1))
+    assert Engine.from_dir(tiny_fp32, device="cpu").cpu_threads == torch.get_num_threads()
+
+    def embed_here() -> int:
+        torch.set_num_threads(3)  # whatever the thread had before
+        engine.embed([engine.prepare(_texts(1)[0], PrepareOptions())])
+        return torch.get_num_threads()
+
+    with ThreadPoolExecutor(1) as fresh:
+        assert fresh.submit(embed_here).result() == 1
