@@ -202,6 +202,8 @@ class TextEncoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ple = PerLayerEmbeddings(cfg)
         self.embedding_projection = nn.Linear(cfg.hidden_size, cfg.embedding_dim, bias=False)
+        self._scales: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self.table_pinned = False  # keep_table_on_host pins it; asking CUDA per batch costs a call
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T) ids -> (B, T, H) on the compute device, scaled by sqrt(H) rounded to the weight
@@ -217,12 +219,19 @@ class TextEncoder(nn.Module):
         else:
             ids = input_ids.to(table.device).reshape(-1)
             staged = torch.empty(
-                (ids.numel(), table.shape[1]), dtype=table.dtype, pin_memory=table.is_pinned()
+                (ids.numel(), table.shape[1]), dtype=table.dtype, pin_memory=self.table_pinned
             )
             torch.index_select(table, 0, ids, out=staged)
             rows = staged.to(device, non_blocking=True).view(*input_ids.shape, -1)
-        scale = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=table.dtype)
-        return rows * scale.to(device)
+        return rows * self._scale(device, table.dtype)
+
+    def _scale(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """sqrt(H) in `dtype` on `device`, made once: a host scalar copied per batch was a blocking
+        copy (CUDA syncs the stream before a copy from pageable memory)."""
+        key = (device, dtype)
+        if key not in self._scales:
+            self._scales[key] = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=dtype).to(device)
+        return self._scales[key]
 
     def keep_table_on_host(self) -> int:
         """Move the (V, H) token table to pinned host memory; returns the device bytes freed.
@@ -234,6 +243,7 @@ class TextEncoder(nn.Module):
         if table.device.type != "cuda":
             return 0  # already in host memory
         self.embed_tokens.weight = nn.Parameter(table.cpu().pin_memory(), requires_grad=False)
+        self.table_pinned = True
         return table.nbytes
 
     def forward(

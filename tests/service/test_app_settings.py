@@ -119,6 +119,18 @@ def test_media_limits_have_one_source(tiny_bf16: Path) -> None:
     assert engine.preprocessor.limits == limits
 
 
+def test_engine_settings_reach_the_engine(tiny_bf16: Path) -> None:
+    """engine_cpu_threads and packed_text become the loaded engine's options (the engine reads
+    nothing from the environment itself)."""
+    from app.service import load_engine
+
+    engine: Any = load_engine(
+        Settings(model=tiny_bf16, device="cpu", engine_cpu_threads=1, packed_text=False)
+    )
+    assert engine.cpu_threads == 1
+    assert engine.options.packed_text is False and engine.options.cpu_threads == 1
+
+
 def test_docs_settings_page_is_current() -> None:
     """docs/SETTINGS.md is the page generated from the field descriptions, verbatim."""
     page = (REPO / "docs" / "SETTINGS.md").read_text()
