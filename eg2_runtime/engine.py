@@ -49,6 +49,7 @@ from eg2_runtime.loader import LoadReport, load_model
 from eg2_runtime.memory_plan import MIB, ActivationCosts, Footprint, MemoryPlan, default_budget, plan
 from eg2_runtime.model import EG2Model
 from eg2_runtime.packed_graphs import TOKEN_LADDER, PackedTextGraphs
+from eg2_runtime.packing import Packing
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
 from eg2_runtime.tower_graphs import GraphedTowers
 
@@ -235,11 +236,15 @@ class Engine:
     @torch.inference_mode()
     def _load_kernels(self) -> None:
         """Small forwards through every loaded path, so the libraries load their kernels (memory
-        outside the allocator) before the base is measured: short and banded text, and each tower."""
+        outside the allocator) before the base is measured: short and banded text, padded and
+        packed (FlashAttention and the CUTLASS varlen kernels), and each tower."""
         model, dev, dt = self.model, self.device, self.model.dtype
         h, window = model.config.text.hidden_size, model.config.text.sliding_window
         for t in (8, 3 * window + 1):
             model.encode(torch.zeros(1, t, h, dtype=dt, device=dev), torch.ones(1, t, device=dev), lean=True)
+            if self.options.packed_text and dt == torch.bfloat16:  # the served text path's kernels
+                packing = Packing.from_lengths([t], dev)
+                model.language_model.forward_packed(torch.zeros(t, h, dtype=dt, device=dev), packing)
         if model.vision_tower is not None:
             cfg = model.vision_tower.cfg
             s = 70 * cfg.pooling_kernel_size**2
