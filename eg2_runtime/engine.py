@@ -124,7 +124,9 @@ class EngineOptions:
     # runs on them; one on a GPU, where that thread's CPU work is collating, the token-table gather
     # and copies, and an OpenMP team's spinning threads took cores from the preparing threads (H200,
     # 2026-12-01, `eg2 serve` under OMP_NUM_THREADS=1 against the default in one call: 16 clients'
-    # single images 92 -> 140 req/s, clips 96 -> 132, a 2,200-token text 11.3 -> 12.0 ms).
+    # single images 92 -> 140 req/s, clips 96 -> 132, a 2,200-token text 11.3 -> 12.0 ms). torch's
+    # count is per thread, but setting it also sets what threads started later begin with; the
+    # preparing threads set their own (init_prepare_thread).
     cpu_threads: int | None = None
 
 
@@ -149,6 +151,14 @@ class Engine:
         self.options = options = options or EngineOptions()
         self.device = model.language_model.embedding_projection.weight.device
         self.cpu_threads = options.cpu_threads or (1 if self.device.type == "cuda" else MODEL_CPU_THREADS)
+        # Text runs packed where its varlen kernels run: FlashAttention-2 takes BF16 on Ampere (sm80)
+        # or newer; elsewhere the padded graphs serve.
+        self.packs_text = (
+            options.packed_text
+            and self.device.type == "cuda"
+            and model.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(self.device) >= (8, 0)
+        )
         self.modalities = frozenset(model.modalities)
         self.prompts = dict(preprocessor.prompts.prompts)
         self.default_prompt_name = preprocessor.prompts.default_name
@@ -184,7 +194,7 @@ class Engine:
         costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
-            if options.packed_text and model.dtype == torch.bfloat16:  # FlashAttention: BF16 only
+            if self.packs_text:
                 self.packed = PackedTextGraphs(
                     model.language_model, tokens, pool=pool, token_bytes=costs.text_token
                 )
@@ -242,9 +252,11 @@ class Engine:
         h, window = model.config.text.hidden_size, model.config.text.sliding_window
         for t in (8, 3 * window + 1):
             model.encode(torch.zeros(1, t, h, dtype=dt, device=dev), torch.ones(1, t, device=dev), lean=True)
-            if self.options.packed_text and dt == torch.bfloat16:  # the served text path's kernels
+            if self.packs_text:  # the served text path's kernels, pooling included
                 packing = Packing.from_lengths([t], dev)
-                model.language_model.forward_packed(torch.zeros(t, h, dtype=dt, device=dev), packing)
+                packing.pool(
+                    model.language_model.forward_packed(torch.zeros(t, h, dtype=dt, device=dev), packing)
+                )
         if model.vision_tower is not None:
             cfg = model.vision_tower.cfg
             s = 70 * cfg.pooling_kernel_size**2
@@ -556,6 +568,8 @@ class Engine:
             # torch: torch's CPU thread pool made this mask index cost ~1.2 ms for 64 docs (H200 host).
             valid = mask.cpu().numpy().astype(bool)  # (B, T); on the host already from device_batch
             ids = torch.from_numpy(input_ids.cpu().numpy()[valid])[None]  # (1, N)
+            if self.device.type == "cuda" and self.model.language_model.embed_tokens.weight.is_cuda:
+                ids = ids.pin_memory()  # a copy from pageable memory would sync the stream
             flat = self.model.input_embeddings(ids, **inputs, towers=self.towers)[0]  # (N, H)
             lengths = valid.sum(1).tolist()
             return self.packed.eager(flat, lengths) if self._eager_text else self.packed(flat, lengths)

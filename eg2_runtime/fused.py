@@ -8,7 +8,8 @@ the one place that knows which kernel each gets:
 - VisionAttention: rope_triton.rms_norm_rope, q and k normalized and rotated in one kernel each;
 - VisionLayer: rmsnorm_triton.add_rms_norm, each residual add with the norms around it;
 - TextAttention: rope_triton.rms_norm_rope on the packed path (text.TextAttention.forward_packed);
-- TextLayer: rmsnorm_triton.add_rms_norm, as VisionLayer, and the PLE block's add and norm.
+- TextLayer: rmsnorm_triton.add_rms_norm, as VisionLayer, and the PLE block's add and norm (on the
+  padded path too: EG2Model.forward of a fused model runs it).
 
 A fused module runs its kernel on whatever tensors it gets: switch a model on CUDA (the engine does,
 after one probe launch), or anywhere under Triton's CPU interpreter (the tests). The kernels

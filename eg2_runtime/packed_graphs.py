@@ -117,7 +117,15 @@ class PackedTextGraphs:
 
     def __call__(self, embeds: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
         """(N, H) embeddings of items end to end, their lengths (each >= 1) -> (S, D) fp32 unit
-        vectors, each run through its bucket's graph, or eagerly where no bucket holds it."""
+        vectors, each run through its bucket's graph, or eagerly where no bucket holds it.
+
+        A run that no bucket holds is halved until one does (a run of many short items may fit a
+        bucket's tokens but not its item slots); a single item no bucket holds runs eagerly, and
+        with no bucket at all the whole batch does, in one forward."""
+        if embeds.shape[0] != sum(lengths):
+            raise ValueError(f"{embeds.shape[0]} embedding rows for items of {sum(lengths)} tokens")
+        if not self.ladder():
+            return self.eager(embeds, lengths)
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
@@ -131,6 +139,9 @@ class PackedTextGraphs:
                 continue
             rows = embeds[starts[a] : starts[b]]
             bucket = self.bucket(starts[b] - starts[a], b - a)
+            if bucket is None and b - a > 1:
+                todo[:0] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+                continue
             if bucket is None:
                 parts.append(self.eager(rows, lengths[a:b]))
                 continue

@@ -230,7 +230,8 @@ class TextEncoder(nn.Module):
         copy (CUDA syncs the stream before a copy from pageable memory)."""
         key = (device, dtype)
         if key not in self._scales:
-            self._scales[key] = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=dtype).to(device)
+            with torch.inference_mode(False):  # a plain tensor: usable outside inference mode too
+                self._scales[key] = torch.tensor(math.sqrt(self.cfg.hidden_size), dtype=dtype).to(device)
         return self._scales[key]
 
     def keep_table_on_host(self) -> int:

@@ -90,10 +90,42 @@ def test_many_items_replay_in_runs_and_come_back_in_order(encoder: TextEncoder) 
     assert len(graphs.graphs) >= 2
 
 
+def eager_calls(graphs: PackedTextGraphs) -> list[list[int]]:
+    """The item lengths of every eager forward `graphs` runs from now on (it still runs them)."""
+    calls: list[list[int]] = []
+    run = graphs.eager
+    graphs.eager = lambda embeds, lengths: calls.append(list(lengths)) or run(embeds, lengths)  # type: ignore[method-assign]
+    return calls
+
+
 def test_an_item_past_every_bucket_runs_eagerly(encoder: TextEncoder) -> None:
     graphs = PackedTextGraphs(encoder, max_tokens=64, capture=False)
+    calls = eager_calls(graphs)
     check(graphs, [100, 5, 3])  # the 100-token item alone, eagerly; the others in a bucket
-    assert all(n <= 64 for n in graphs.graphs)
+    assert calls == [[100], [100]]  # once per call of check's two
+    assert set(graphs.graphs) == {32}
+
+
+def test_many_short_items_past_a_buckets_slots_are_halved_not_run_eagerly(encoder: TextEncoder) -> None:
+    # 64 items of 3 tokens fit 256 tokens, but a 256-token bucket has items_for(256) = 32 slots.
+    graphs = PackedTextGraphs(encoder, max_tokens=256, capture=False)
+    calls = eager_calls(graphs)
+    check(graphs, [3] * 64)
+    assert calls == []
+    assert max(graphs.graphs) <= 256
+
+
+def test_with_no_bucket_at_all_the_batch_runs_in_one_eager_forward(encoder: TextEncoder) -> None:
+    graphs = PackedTextGraphs(encoder, max_tokens=16, capture=False)  # below the first rung
+    calls = eager_calls(graphs)
+    check(graphs, [5, 9, 2])
+    assert calls == [[5, 9, 2], [5, 9, 2]]
+
+
+def test_rows_and_lengths_must_agree(encoder: TextEncoder) -> None:
+    graphs = PackedTextGraphs(encoder, max_tokens=256, capture=False)
+    with pytest.raises(ValueError, match="embedding rows"):
+        graphs(torch.zeros(7, encoder.cfg.hidden_size), [3, 3])
 
 
 def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_runs(encoder: TextEncoder) -> None:
@@ -110,9 +142,9 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_runs(encoder: Text
     assert set(graphs.graphs) == {256, 192, 32}
 
 
-def test_the_ladder_is_sorted_and_every_rung_holds_its_items() -> None:
+def test_the_ladder_is_sorted_and_its_top_rungs_hold_a_full_run_and_its_pad_tail() -> None:
     assert list(TOKEN_LADDER) == sorted(set(TOKEN_LADDER))
-    assert all(items_for(n) <= MAX_ITEMS + 1 for n in TOKEN_LADDER)
+    assert all(items_for(n) == MAX_ITEMS + 1 for n in TOKEN_LADDER if n >= 8 * (MAX_ITEMS + 1))
 
 
 def test_the_engine_packs_text_and_media_batches_as_the_padded_path_runs_them(tiny_fp32: Path) -> None:
@@ -142,3 +174,15 @@ def test_the_engine_packs_text_and_media_batches_as_the_padded_path_runs_them(ti
             engine.packed = None
         assert packed.shape == padded.shape, name
         assert abs(packed - padded).max() < TOL, name
+
+
+def test_the_warm_up_runs_packed_text_eagerly(tiny_fp32: Path) -> None:
+    """Warm-up proves a full batch fits as a batch no bucket holds runs: the packed forward, eagerly."""
+    from eg2_runtime.engine import Engine
+
+    engine = Engine.from_dir(tiny_fp32, device="cpu", modalities={"text"})
+    engine.packed = PackedTextGraphs(engine.model.language_model, max_tokens=512, capture=False)
+    calls = eager_calls(engine.packed)
+    engine.warm_up(2)
+    assert calls and all(len(c) == 2 for c in calls)  # the costliest text, twice
+    assert engine.packed.graphs == {}
