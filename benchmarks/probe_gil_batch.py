@@ -1,13 +1,16 @@
 """Probe (GPU): what Python threads busy beside the engine cost its batches: the GIL.
 
-    python -m benchmarks.probe_gil_batch --out DIR [--rounds 20]
+    python -m benchmarks.probe_gil_batch --out DIR [--rounds 10]
 
 Under 128 HTTP clients the server's text batches took 36 ms against ~4 ms in-process (`eg2 bench`,
 H200, 2026-12-01, commit bb2ac50). The event loop parsing requests holds the GIL; the engine's thread
 gives it up inside torch calls that wait or work long enough, and waits to get it back. This boots
 the engine as `eg2 serve` does, then times `Engine.embed` of one query and of 64 short texts while
 0, 1 or 2 threads run pure-Python work (JSON encoding and decoding, as an event loop under load
-does), at several GIL switch intervals (`sys.setswitchinterval`). Writes gil_batch.json into DIR.
+does), at several GIL switch intervals (`sys.setswitchinterval`). Then, at a 5 ms interval, each
+step of one text batch alone, with and without a busy thread, the device synchronized after each
+(`steps`): how many hand-offs each step costs, to know which calls to cut. Writes gil_batch.json
+into DIR.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +49,76 @@ def timed(engine: Engine, prepared: list[Any], rounds: int) -> float:
     return float(np.median(times))
 
 
+def steps(engine: Engine, prepared: list[Any]) -> dict[str, Callable[[], object]]:
+    """One text batch's steps on the engine's thread, as Engine.embed runs them, each ending with a
+    device sync (itself a step, to subtract)."""
+    import torch
+
+    from eg2_runtime.engine import collate
+
+    items = [p.inputs for p in prepared]
+    ids, inputs = engine.device_batch(items)
+    mask, media = inputs["attention_mask"], {k: v for k, v in inputs.items() if k != "attention_mask"}
+    flat, lengths = engine.packed_embeddings(ids, mask, media)
+    assert engine.packed is not None, "the probe times the packed text path"
+    out = engine.packed(flat, lengths)
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def then_sync(step: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            result = step()
+            sync()
+            return result
+
+        return run
+
+    return {
+        "synchronize alone": sync,
+        "collate": then_sync(lambda: collate(items, engine.model.config.text.pad_token_id, pin=cuda)),
+        "device_batch": then_sync(lambda: engine.device_batch(items)),
+        "packed_embeddings": then_sync(lambda: engine.packed_embeddings(ids, mask, media)),
+        "packed graphs": then_sync(lambda: engine.packed(flat, lengths)),  # type: ignore[misc]
+        "copy out": then_sync(lambda: out.cpu().numpy()),
+        "Engine.embed": lambda: engine.embed(prepared),
+    }
+
+
+def step_handoffs(engine: Engine, prepared: list[Any], rounds: int) -> dict[str, Any]:
+    """Each step's median ms alone and beside one busy thread at a 5 ms switch interval, and the
+    hand-offs that difference amounts to."""
+    interval_ms = 5.0
+    sys.setswitchinterval(interval_ms / 1000)
+    table = steps(engine, prepared)
+
+    def median(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+        return float(np.median(times))
+
+    alone = {k: median(f) for k, f in table.items()}
+    stop = threading.Event()
+    worker = threading.Thread(target=busy, args=(stop,), daemon=True)
+    worker.start()
+    try:
+        beside = {k: median(f) for k, f in table.items()}
+    finally:
+        stop.set()
+        worker.join()
+    return {
+        k: {"alone_ms": alone[k], "busy_ms": beside[k], "handoffs": (beside[k] - alone[k]) / interval_ms}
+        for k in table
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (_, w4):
@@ -84,7 +154,14 @@ def main() -> None:
                 stop.set()
                 for w in workers:
                     w.join()
-    (args.out / "gil_batch.json").write_text(json.dumps(rows, indent=1) + "\n")
+    import torch
+
+    with torch.inference_mode():  # as Engine.embed runs: the static buffers are inference tensors
+        split = step_handoffs(engine, prepared["64 short texts"], max(5, args.rounds // 2))
+    for name, row in split.items():
+        print(json.dumps({"step": name, **row}), flush=True)
+    out = {"rows": rows, "steps_64_short_texts": split}
+    (args.out / "gil_batch.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

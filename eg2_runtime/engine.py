@@ -563,15 +563,7 @@ class Engine:
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
         mask = inputs.pop("attention_mask")
         if self.packed is not None:
-            # The valid ids end to end as one row: placeholders keep their reading order, so the
-            # media soft tokens scatter into the same places as in the padded batch. numpy, not
-            # torch: torch's CPU thread pool made this mask index cost ~1.2 ms for 64 docs (H200 host).
-            valid = mask.cpu().numpy().astype(bool)  # (B, T); on the host already from device_batch
-            ids = torch.from_numpy(input_ids.cpu().numpy()[valid])[None]  # (1, N)
-            if self.device.type == "cuda" and self.model.language_model.embed_tokens.weight.is_cuda:
-                ids = ids.pin_memory()  # a copy from pageable memory would sync the stream
-            flat = self.model.input_embeddings(ids, **inputs, towers=self.towers)[0]  # (N, H)
-            lengths = valid.sum(1).tolist()
+            flat, lengths = self.packed_embeddings(input_ids, mask, inputs)
             return self.packed.eager(flat, lengths) if self._eager_text else self.packed(flat, lengths)
         mask = mask.to(self.device, non_blocking=True)
         embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
@@ -579,6 +571,22 @@ class Engine:
         if vectors is None:  # no graph, or no bucket holds it: a large batch, already GPU-bound
             vectors = self.model.encode(embeds, mask, lean=self.options.lean_text)
         return vectors
+
+    def packed_embeddings(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """(B, T) ids and mask on the host, the media inputs -> (N, H) input embeddings of the valid
+        tokens end to end, and each item's length: what the packed text graphs take.
+
+        The valid ids become one row: placeholders keep their reading order, so the media soft
+        tokens scatter into the same places as in the padded batch. numpy, not torch: torch's CPU
+        thread pool made this mask index cost ~1.2 ms for 64 docs (H200 host)."""
+        valid = mask.cpu().numpy().astype(bool)  # (B, T); on the host already from device_batch
+        ids = torch.from_numpy(input_ids.cpu().numpy()[valid])[None]  # (1, N)
+        if self.device.type == "cuda" and self.model.language_model.embed_tokens.weight.is_cuda:
+            ids = ids.pin_memory()  # a copy from pageable memory would sync the stream
+        flat = self.model.input_embeddings(ids, **inputs, towers=self.towers)[0]  # (N, H)
+        return flat, valid.sum(1).tolist()
 
     # ---- reports --------------------------------------------------------------------------------
 
