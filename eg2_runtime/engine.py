@@ -172,7 +172,7 @@ class Engine:
         self.plan: MemoryPlan | None = None
         self.graphs: GraphedTextEncoder | None = None
         self.packed: PackedTextGraphs | None = None
-        self._eager_text = False  # warm-up: the packed text runs eagerly, as batches no graph holds
+        self._eager_text = False  # warm-up: text runs without graphs, as batches no graph holds
         self.towers: GraphedTowers | None = None
         if self.device.type != "cuda":
             if options.host_token_table:
@@ -439,7 +439,6 @@ class Engine:
         match; the costliest single item must fit. Returns the batch token limits that held.
         Call on the GPU thread."""
         limits = self.batch_token_limits()
-        graphs, self.graphs = self.graphs, None
         self._eager_text = True
         eager = self.towers.eager() if self.towers is not None else contextlib.nullcontext()
         try:
@@ -451,7 +450,6 @@ class Engine:
                     if (n := self._fit(one, wanted)) < wanted:
                         limits[modality] = n * one.cost
         finally:
-            self.graphs = graphs
             self._eager_text = False
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -491,21 +489,16 @@ class Engine:
         if text is None:
             return 0
         t0 = time.perf_counter()
+        startup: Sequence[Any] = STARTUP_TOKEN_BUCKETS if self.packed is not None else STARTUP_TEXT_BUCKETS
         # The largest first (see GraphPool): the text buckets of 2,048 tokens and more, the towers',
         # then the smaller text buckets, which reuse the blocks of the first.
-        if isinstance(text, PackedTextGraphs):
-            text.capture_buckets(n for n in STARTUP_TOKEN_BUCKETS if n >= 2048)
-        else:
-            text.capture_buckets(k for k in STARTUP_TEXT_BUCKETS if k[0] * k[1] >= 2048)
+        text.capture_buckets(k for k in startup if text.tokens(k) >= 2048)
         towers = self.towers
         if towers is not None:
             towers.capture_startup(
                 IMAGE_TOKEN_BUDGETS[2] if "image" in self.modalities else None, "audio" in self.modalities
             )
-        if isinstance(text, PackedTextGraphs):
-            text.capture_buckets(STARTUP_TOKEN_BUCKETS)
-        else:
-            text.capture_buckets(STARTUP_TEXT_BUCKETS)
+        text.capture_buckets(startup)
         self._cap_allocator()
         n = len(text.graphs) + (len(towers.graphs) if towers is not None else 0)
         log.info("captured %d graphs in %.1f s", n, time.perf_counter() - t0)
@@ -567,7 +560,8 @@ class Engine:
             return self.packed.eager(flat, lengths) if self._eager_text else self.packed(flat, lengths)
         mask = mask.to(self.device, non_blocking=True)
         embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
-        vectors = self.graphs(embeds, mask.bool()) if self.graphs is not None else None
+        graphs = None if self._eager_text else self.graphs
+        vectors = graphs(embeds, mask.bool()) if graphs is not None else None
         if vectors is None:  # no graph, or no bucket holds it: a large batch, already GPU-bound
             vectors = self.model.encode(embeds, mask, lean=self.options.lean_text)
         return vectors

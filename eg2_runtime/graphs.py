@@ -26,11 +26,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -188,12 +188,60 @@ def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 @dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph | None  # None: the eager run of the same padded step (CPU, tests)
-    out: torch.Tensor | None  # (Bb, D) fp32, the graph's static output
+class Captured:
+    graph: torch.cuda.CUDAGraph | None  # None: the eager run of the same bucket-sized step (CPU, tests)
+    out: torch.Tensor | None  # (rows, D) fp32, the graph's static output
 
 
-class GraphedTextEncoder:
+K = TypeVar("K", bound=Hashable)
+
+
+class TextGraphs(Generic[K]):
+    """What the text encoder's two kinds of graphs share: their buckets' captures in a GraphPool,
+    admitted at `token_bytes` per token, and the buckets the pool refused. Keys are (rows, length)
+    for GraphedTextEncoder, a token count for packed_graphs.PackedTextGraphs.
+
+    `pool` None: one of its own, unbounded. `capture=False` (or a CPU) runs each bucket's step
+    eagerly in its graph's stead, admitted as its graph would be: the CPU tests of the bucketing.
+    """
+
+    def __init__(
+        self, encoder: TextEncoder, max_tokens: int, pool: GraphPool | None, token_bytes: int, capture: bool
+    ) -> None:
+        self.encoder = encoder
+        self.max_tokens = max_tokens
+        self.token_bytes = token_bytes
+        self.device = encoder.embedding_projection.weight.device
+        self.capture = capture and self.device.type == "cuda"
+        self.pool = pool if pool is not None else GraphPool(None)
+        self.graphs: dict[K, Captured] = {}
+        # Buckets the pool's budget refused: batches take smaller ones, in more replays.
+        self.refused: set[K] = set()
+        self.capture_seconds = 0.0
+
+    def tokens(self, key: K) -> int:
+        """The tokens bucket `key` holds."""
+        raise NotImplementedError
+
+    def _take(
+        self, key: K, step: Callable[..., Any], inputs: Callable[[], Sequence[torch.Tensor]]
+    ) -> Captured | None:
+        """Bucket `key`'s graph of `step` over the buffers `inputs()` makes, captured now; None (and
+        the bucket refused for good) when the pool's budget does not hold its tokens."""
+        t0 = time.perf_counter()
+        got = self.pool.capture(step, inputs, self.token_bytes * self.tokens(key), run=self.capture)
+        if got is None:
+            log.info("text graph %s does not fit the graph pool's budget: smaller buckets take it", key)
+            self.refused.add(key)
+            return None
+        graph, _, out = got
+        self.graphs[key] = Captured(graph, out)
+        self.capture_seconds += time.perf_counter() - t0
+        log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))
+        return self.graphs[key]
+
+
+class GraphedTextEncoder(TextGraphs[tuple[int, int]]):
     """`(embeds (B, T, H), valid (B, T) bool) -> (B, D)` unit vectors, as `pool(encoder(...))`.
 
     `max_tokens` bounds Bb * Tb: a graph pool keeps its buckets' activations for good, so the memory
@@ -210,20 +258,11 @@ class GraphedTextEncoder:
         token_bytes: int = 0,
         capture: bool = True,
     ) -> None:
-        self.encoder = encoder
-        self.max_tokens = max_tokens
-        self.token_bytes = token_bytes
-        device = encoder.embedding_projection.weight.device
-        self.capture = capture and device.type == "cuda"
+        super().__init__(encoder, max_tokens, pool, token_bytes, capture)
         # Flat input buffers every bucket views its leading part of (only one bucket's inputs are
         # live at a time), allocated on first use like any activation.
         self.embeds: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
-        self.pool = pool if pool is not None else GraphPool(None)
-        self.graphs: dict[tuple[int, int], _Captured] = {}
-        # Buckets the pool's budget refused: a batch takes the next smaller one, in more replays.
-        self.refused: set[tuple[int, int]] = set()
-        self.capture_seconds = 0.0
 
     def bucket(self, batch: int, length: int) -> tuple[int, int] | None:
         """The smallest (Bb, Tb) that holds a (batch, length) input, or None if there is none."""
@@ -315,19 +354,9 @@ class GraphedTextEncoder:
     def _step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return pool(self.encoder(x, v, static=True, lean=True).float(), v)
 
-    def _capture(self, key: tuple[int, int]) -> _Captured | None:
-        """The bucket's graph, captured now; None (and the bucket refused for good) when the pool's
-        budget does not hold it. Without `capture`, the padded step runs eagerly each time, admitted
-        as its graph would be."""
-        estimate = self.token_bytes * key[0] * key[1]
-        t0 = time.perf_counter()
-        got = self.pool.capture(self._step, partial(self._inputs, key), estimate, run=self.capture)
-        if got is None:
-            log.info("text graph %s does not fit the graph pool's budget: smaller buckets take it", key)
-            self.refused.add(key)
-            return None
-        graph, _, out = got
-        self.graphs[key] = _Captured(graph, out)
-        self.capture_seconds += time.perf_counter() - t0
-        log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))
-        return self.graphs[key]
+    def _capture(self, key: tuple[int, int]) -> Captured | None:
+        """The padded bucket's graph, captured now (TextGraphs._take)."""
+        return self._take(key, self._step, partial(self._inputs, key))
+
+    def tokens(self, key: tuple[int, int]) -> int:
+        return key[0] * key[1]

@@ -21,19 +21,14 @@ and one set of static buffers; replays never overlap, and each result is copied 
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from eg2_runtime.graphs import GraphPool
+from eg2_runtime.graphs import Captured, GraphPool, TextGraphs
 from eg2_runtime.packing import Packing
 from eg2_runtime.text import TextEncoder
-
-log = logging.getLogger(__name__)
 
 # Finer rungs where most batches land; each rung is one graph (~4 MiB of executable beside the
 # activations the pool's largest graph already holds, memory_plan.GRAPH_EXECUTABLE).
@@ -62,21 +57,15 @@ def runs(lengths: Sequence[int], top: int) -> Iterator[tuple[int, int]]:
     yield start, len(lengths)
 
 
-@dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph | None  # None: the eager run of the same bucket-sized step (CPU)
-    out: torch.Tensor | None  # (S, D) fp32, the graph's static output
-
-
-class PackedTextGraphs:
+class PackedTextGraphs(TextGraphs[int]):
     """`(embeds (N, H) of items end to end, lengths) -> (len(lengths), D)` unit vectors, as
     `pool(encoder(...))` of the same items padded.
 
     `max_tokens` bounds a bucket's N (the memory plan sets it). `pool`: the GraphPool to draw on,
     admitting a bucket by `token_bytes` per token. `backends`: the attention kernel per layer kind
     (packed_attention.py; None: the device's default, varlen kernels on CUDA, the dense reference
-    elsewhere). `capture=False` runs each bucket's
-    step eagerly: the CPU test of the packing and bucketing.
+    elsewhere). `capture=False` runs each bucket's step eagerly: the CPU test of the packing and
+    bucketing.
     """
 
     def __init__(
@@ -88,16 +77,8 @@ class PackedTextGraphs:
         backends: Mapping[str, str] | None = None,
         capture: bool = True,
     ) -> None:
-        self.encoder = encoder
-        self.max_tokens = max_tokens
-        self.token_bytes = token_bytes
-        self.device = encoder.embedding_projection.weight.device
-        self.capture = capture and self.device.type == "cuda"
+        super().__init__(encoder, max_tokens, pool, token_bytes, capture)
         self.backends = backends
-        self.pool = pool if pool is not None else GraphPool(None)
-        self.graphs: dict[int, _Captured] = {}
-        self.refused: set[int] = set()  # buckets the pool's budget refused: smaller runs take them
-        self.capture_seconds = 0.0
         # Flat static inputs every bucket views the leading part of: embeddings (max_tokens, H), and
         # the packing's cu_seqlens, doc ids and positions side by side (one host-to-device copy).
         self.embeds: torch.Tensor | None = None
@@ -197,24 +178,15 @@ class PackedTextGraphs:
                 self._capture(n)
         return len(self.graphs)
 
-    def _capture(self, n: int) -> _Captured | None:
-        """Bucket n's graph, captured now; None (and the bucket refused for good) when the pool's
-        budget does not hold it. Without `capture`, the step runs eagerly each time, admitted as its
-        graph would be."""
-        t0 = time.perf_counter()
+    def _capture(self, n: int) -> Captured | None:
+        """Bucket n's graph, captured now (TextGraphs._take)."""
 
         def inputs() -> Sequence[torch.Tensor]:
             x, layout = self._inputs(n)
             layout.copy_(Packing.layout([n], tokens=n, items=items_for(n)))  # any valid layout
             return x, layout
 
-        got = self.pool.capture(partial(self._bucket_step, n), inputs, self.token_bytes * n, run=self.capture)
-        if got is None:
-            log.info("packed text graph %d does not fit the graph pool's budget: smaller runs take it", n)
-            self.refused.add(n)
-            return None
-        graph, _, out = got
-        self.graphs[n] = _Captured(graph, out)
-        self.capture_seconds += time.perf_counter() - t0
-        log.debug("captured packed text graph %d in %.0f ms", n, 1e3 * (time.perf_counter() - t0))
-        return self.graphs[n]
+        return self._take(n, partial(self._bucket_step, n), inputs)
+
+    def tokens(self, key: int) -> int:
+        return key

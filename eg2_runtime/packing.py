@@ -46,12 +46,11 @@ class Packing:
         bakes it in: pass the bucket's `tokens`). Built on the host and copied over in one transfer.
         """
         flat = cls.layout(lengths, tokens, items)
-        s = len(lengths) + (1 if tokens is not None and tokens > sum(lengths) else 0)
-        s = s if items is None else items
+        n = sum(lengths) if tokens is None else tokens
         longest = max(lengths) if max_len is None else max_len
-        if longest < max(lengths) or (tokens is not None and longest < tokens - sum(lengths)):
+        if longest < max(max(lengths), n - sum(lengths)):  # the pad tail is an item too
             raise ValueError(f"max_len {longest} is below the longest item")
-        return cls.from_layout(flat.to(device), s, longest)
+        return cls.from_layout(flat.to(device), flat.shape[0] - 1 - 2 * n, longest)
 
     @staticmethod
     def layout(lengths: Sequence[int], tokens: int | None = None, items: int | None = None) -> torch.Tensor:
