@@ -19,15 +19,14 @@ import argparse
 import json
 import sys
 import threading
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from app.service import GPU_BATCH_TOKENS
 from benchmarks.probe_boot import text
+from benchmarks.timing import host_median_ms
 from benchmarks.workloads import checkpoints
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import PrepareOptions
@@ -38,15 +37,6 @@ def busy(stop: threading.Event) -> None:
     doc = {"input": ["a short query about vectors"] * 4, "model": "eg2", "encoding_format": "base64"}
     while not stop.is_set():
         json.loads(json.dumps(doc))
-
-
-def timed(engine: Engine, prepared: list[Any], rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        engine.embed(prepared)
-        times.append(1e3 * (time.perf_counter() - t))
-    return float(np.median(times))
 
 
 def steps(engine: Engine, prepared: list[Any]) -> dict[str, Callable[[], object]]:
@@ -91,21 +81,12 @@ def step_handoffs(engine: Engine, prepared: list[Any], rounds: int) -> dict[str,
     sys.setswitchinterval(interval_ms / 1000)
     table = steps(engine, prepared)
 
-    def median(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-        return float(np.median(times))
-
-    alone = {k: median(f) for k, f in table.items()}
+    alone = {k: host_median_ms(f, rounds) for k, f in table.items()}
     stop = threading.Event()
     worker = threading.Thread(target=busy, args=(stop,), daemon=True)
     worker.start()
     try:
-        beside = {k: median(f) for k, f in table.items()}
+        beside = {k: host_median_ms(f, rounds) for k, f in table.items()}
     finally:
         stop.set()
         worker.join()
@@ -129,7 +110,9 @@ def main() -> None:
         "1 query": [text(14, 0)],
         "64 short texts": [text(12 + i % 8, i) for i in range(64)],
     }
-    prepared = {k: list(engine.prepare_many(v, PrepareOptions())) for k, v in shapes.items()}
+    prepared: dict[str, list[Any]] = {
+        k: list(engine.prepare_many(v, PrepareOptions())) for k, v in shapes.items()
+    }
     rows: list[dict[str, Any]] = []
     for interval_ms in (5.0, 0.5, 0.1):
         sys.setswitchinterval(interval_ms / 1000)
@@ -140,8 +123,7 @@ def main() -> None:
                 w.start()
             try:
                 for name, items in prepared.items():
-                    timed(engine, items, 3)  # warm
-                    ms = timed(engine, items, args.rounds)
+                    ms = host_median_ms(partial(engine.embed, items), args.rounds, warmup=3)
                     row = {
                         "switch_interval_ms": interval_ms,
                         "busy_threads": threads,

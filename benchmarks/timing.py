@@ -43,6 +43,19 @@ class Budget:
         )
 
 
+def host_median_ms(fn: Callable[[], object], rounds: int, warmup: int = 1) -> float:
+    """Median milliseconds of `rounds` calls of `fn` by the host clock, after `warmup` untimed ones
+    (a CUDA call has finished only if `fn` waits for it)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return float(np.median(times))
+
+
 def cell_header(w: Workload) -> dict[str, Any]:
     """What every result cell records about its workload, before any figure."""
     return {

@@ -26,12 +26,14 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import host_median_ms
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.fused import use_fused_kernels
@@ -59,16 +61,7 @@ def timer(device: torch.device, rounds: int, warmup: int = 3) -> Callable[[Calla
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
-    def host(fn: Callable[[], object]) -> float:
-        fn()
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
-
-    return cuda if device.type == "cuda" else host
+    return cuda if device.type == "cuda" else partial(host_median_ms, rounds=rounds)
 
 
 def checkpoint(args: argparse.Namespace) -> Path:
