@@ -51,8 +51,13 @@ def shapes() -> dict[str, tuple[list[Item], PrepareOptions]]:
         "16 images": ([image] * 16, PrepareOptions()),
         "1 clip": ([clip], PrepareOptions()),
         "16 clips": ([clip] * 16, PrepareOptions()),
+        "clip 30": ([Item((MediaPart("audio", samples.wav(30.0)),))], PrepareOptions()),
         "video 8": ([Item((MediaPart("video", samples.mp4(8, width=640, height=480)),))], PrepareOptions()),
         "video 32": ([Item((MediaPart("video", samples.mp4(32, width=640, height=480)),))], PrepareOptions()),
+        "8 videos": (
+            [Item((MediaPart("video", samples.mp4(8, width=640, height=480)),))] * 8,
+            PrepareOptions(),
+        ),
     }
 
 
@@ -102,6 +107,7 @@ def main() -> None:
     parser.add_argument(
         "--profile", default="", help="shapes to profile, comma-separated (e.g. query,1 image)"
     )
+    parser.add_argument("--only", default="", help="run only these shapes, comma-separated")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table = "-host-table" if args.host_token_table else ""
@@ -139,6 +145,8 @@ def main() -> None:
     print(json.dumps(out), flush=True)
     rows: dict[str, Any] = {}
     for name, (items, opts) in shapes().items():
+        if args.only and name not in args.only.split(","):
+            continue
         kinds = {p.kind for i in items for p in i.parts if isinstance(p, MediaPart)}
         if any(k not in engine.modalities for k in kinds):
             continue
