@@ -374,9 +374,12 @@ class Batcher:
         max_prepared_media_tokens: int,
         max_request_segments: int = 512,
         gpu_thread: Threads | None = None,
+        prepare_processes: int = 0,
     ) -> None:
         """`gpu_thread`: the thread the engine was loaded on, to run its accelerator calls too (CUDA
-        keeps per-thread state, e.g. cuBLAS handles and their workspaces: one thread holds one set)."""
+        keeps per-thread state, e.g. cuBLAS handles and their workspaces: one thread holds one set).
+        `prepare_processes`: worker processes that prepare each media item instead of the threads
+        (engine.prepare_processes); 0 keeps every job on the threads."""
         self._engine = engine
         self._metrics = metrics
         self.max_batch_tokens = max_batch_tokens
@@ -390,6 +393,7 @@ class Batcher:
         self.media_budget = _MediaBudget(max_prepared_media_tokens)
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare", engine.init_prepare_thread)
+        self._procs = engine.prepare_processes(prepare_processes) if prepare_processes > 0 else None
         self._gpu = gpu_thread or Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
         self._queues: dict[str, _Queue] = {}
         # Items of admitted requests still in preprocessing, by modality: the companions worth waiting
@@ -415,6 +419,8 @@ class Batcher:
         boot. The per-modality batch token limits it returns (the GPU memory plan's, proven to fit)
         bound batches from then on, under max_batch_tokens."""
         start = time.monotonic()
+        # The preparing processes start (each imports torch: seconds) while the GPU warms up.
+        procs = asyncio.ensure_future(asyncio.to_thread(self._procs.start)) if self._procs else None
         try:
             limits = await self.on_gpu_thread(
                 self._engine.warm_up, self.max_batch_items, self.max_batch_tokens
@@ -424,6 +430,9 @@ class Batcher:
                 f"warm-up ran out of memory on a full batch: lower max_batch_tokens or max_batch_items, or "
                 f"raise gpu_memory_mib ({exc.message})"
             ) from exc
+        finally:
+            if procs is not None:
+                await procs
         self._modality_tokens = {m: min(v, self.max_batch_tokens) for m, v in limits.items()}
         log.info(
             "warm-up done",
@@ -447,6 +456,8 @@ class Batcher:
                 await self._scheduler
         self.abort(Unavailable("the server is shutting down"))
         self._prep.close()
+        if self._procs is not None:
+            self._procs.close()
         self._gpu.close()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         busy = []
@@ -578,12 +589,31 @@ class Batcher:
         job = [items[i] for i in group]
         if modality == "text" and self._inline(job, options):
             prep = _run_here(self._prepare, job, options, None)  # a hop costs more than tokenizing
+        elif modality != "text" and self._procs is not None:
+            prep = self._in_process(job, options)
         else:
             prep = self._prep.submit(self._prepare, job, options, request.cancel)
         # Counted before the callback is attached; it runs from the loop, so never before this.
         self._preparing[modality] += len(group)
         prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
         request.prep_futures.append(prep)
+
+    def _in_process(self, job: list[Item], options: PrepareOptions) -> asyncio.Future[list[Any]]:
+        """One preparing job on a worker process; cancelling the future stops the worker's decoding."""
+        assert self._procs is not None
+        work = self._procs.submit(job, options)
+        prep = asyncio.wrap_future(work.future)
+
+        def done(f: asyncio.Future[list[Any]]) -> None:
+            if f.cancelled():
+                work.cancel()
+            elif f.exception() is None:
+                for p in f.result():
+                    if isinstance(p, PreparedItem):
+                        self._metrics.preprocess_seconds.labels(p.modality).observe(work.seconds / len(job))
+
+        prep.add_done_callback(done)
+        return prep
 
     async def _feed(
         self,

@@ -169,6 +169,17 @@ class Settings(BaseSettings):
         description="Threads that decode and tokenize (engine.prepare_many), overlapping with the GPU. More: media "
         "decoding keeps up with a fast GPU; each holds a decoded item in memory. Default: cores, at most 8.",
     )
+    preprocess_processes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Worker processes that decode and preprocess media items (images, audio, video), each "
+        "with a GIL of its own, so decoding does not wait on the event loop and the GPU thread. Unset: on a "
+        "GPU, one per two cores, at most 8; on a CPU, none. 0: media are prepared on the preprocessing "
+        "threads, as text always is. Each process holds a tokenizer and torch's CPU runtime (~0.3-0.5 GB of "
+        "host memory, no GPU memory) and hands its items back through /dev/shm (give a container "
+        "`--shm-size 1g`; where it is full they go through a pipe, slower). Fewer: less host memory, "
+        "slower media under concurrent load (docs/PERF.md measures it).",
+    )
     inline_prepare_chars: int = Field(
         default=512,
         ge=0,
@@ -476,6 +487,8 @@ def describe_default(field: str) -> str:
     info = Settings.model_fields[field]
     if field == "preprocess_workers":
         return "cores, at most 8"
+    if field == "preprocess_processes":
+        return "GPU: cores / 2, at most 8; CPU: 0"
     if field == "cache_dir":
         return "~/.cache/eg2"
     value = info.get_default(call_default_factory=True)

@@ -42,15 +42,14 @@ def busy(stop: threading.Event) -> None:
 def steps(engine: Engine, prepared: list[Any]) -> dict[str, Callable[[], object]]:
     """One text batch's steps on the engine's thread, as Engine.embed runs them, each ending with a
     device sync (itself a step, to subtract)."""
+    import numpy as np
     import torch
 
-    from eg2_runtime.engine import collate
-
     items = [p.inputs for p in prepared]
-    ids, inputs = engine.device_batch(items)
-    mask, media = inputs["attention_mask"], {k: v for k, v in inputs.items() if k != "attention_mask"}
-    flat, lengths = engine.packed_embeddings(ids, mask, media)
     assert engine.packed is not None, "the probe times the packed text path"
+    lengths = [p.num_tokens for p in items]
+    ids = torch.from_numpy(np.concatenate([p.input_ids.numpy() for p in items]))[None]
+    flat = engine.model.input_embeddings(ids)[0]
     out = engine.packed(flat, lengths)
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -65,9 +64,8 @@ def steps(engine: Engine, prepared: list[Any]) -> dict[str, Callable[[], object]
 
     return {
         "synchronize alone": sync,
-        "collate": then_sync(lambda: collate(items, engine.model.config.text.pad_token_id, pin=cuda)),
-        "device_batch": then_sync(lambda: engine.device_batch(items)),
-        "packed_embeddings": then_sync(lambda: engine.packed_embeddings(ids, mask, media)),
+        "padded batch (media batches only)": then_sync(lambda: engine.device_batch(items)),
+        "input embeddings": then_sync(lambda: engine.model.input_embeddings(ids)),
         "packed graphs": then_sync(lambda: engine.packed(flat, lengths)),  # type: ignore[misc]
         "copy out": then_sync(lambda: out.cpu().numpy()),
         "Engine.embed": lambda: engine.embed(prepared),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from threading import Event
 from typing import Any, Literal, Protocol, TypedDict
@@ -114,6 +115,24 @@ class EngineMemory(TypedDict, total=False):
     gpu_reserved_bytes: int
 
 
+class PrepareWork(Protocol):
+    """One job on the preparing processes (eg2_runtime.prepare_processes.PrepareJob)."""
+
+    @property
+    def future(self) -> Future[list[PreparedItem | EG2Error]]: ...
+    @property
+    def seconds(self) -> float: ...  # how long the worker prepared, once done
+    def cancel(self) -> None: ...
+
+
+class PrepareWorkers(Protocol):
+    """Worker processes that prepare items outside the serving process (Engine.prepare_processes)."""
+
+    def start(self, timeout_s: float = ...) -> None: ...
+    def submit(self, items: Sequence[Item], options: PrepareOptions) -> PrepareWork: ...
+    def close(self) -> None: ...
+
+
 class EngineAPI(Protocol):
     """What the service uses of eg2_runtime.engine.Engine (and of tests/fake_engine.FakeEngine)."""
 
@@ -136,6 +155,7 @@ class EngineAPI(Protocol):
     def tokenize_many(
         self, items: Sequence[Item], options: PrepareOptions, cancel: Event | None = None
     ) -> list[TokenCount | EG2Error]: ...
+    def prepare_processes(self, n: int) -> PrepareWorkers: ...
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray: ...
     def warm_up(self, max_batch_items: int, max_batch_tokens: int) -> dict[str, int]: ...
     def capture_graphs(self) -> int: ...

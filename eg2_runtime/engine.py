@@ -50,6 +50,7 @@ from eg2_runtime.memory_plan import MIB, ActivationCosts, Footprint, MemoryPlan,
 from eg2_runtime.model import EG2Model
 from eg2_runtime.packed_graphs import TOKEN_LADDER, PackedTextGraphs
 from eg2_runtime.packing import Packing
+from eg2_runtime.prepare_processes import PrepareProcesses
 from eg2_runtime.preprocess import MediaLimits, Prepared, Preprocessor
 from eg2_runtime.tower_graphs import GraphedTowers
 
@@ -322,7 +323,7 @@ class Engine:
 
     def prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
         prepared = self.preprocessor.prepare(item, options)
-        return _wrap(prepared)
+        return wrap_prepared(prepared)
 
     def estimate_many(self, items: Sequence[Item], options: PrepareOptions) -> list[Estimate | EG2Error]:
         """Each item's cost in tokens before anything is decoded (`Preprocessor.estimate`: headers only),
@@ -358,7 +359,7 @@ class Engine:
         and the call raises eg2_runtime.errors.Cancelled."""
         executor = self._executor() if len(items) > 1 else None
         out = self.preprocessor.prepare_batch(items, options, executor=executor, cancel=cancel)
-        return [p if isinstance(p, EG2Error) else _wrap(p) for p in out]
+        return [p if isinstance(p, EG2Error) else wrap_prepared(p) for p in out]
 
     def prepare_segments(
         self, item: Item, options: PrepareOptions, cancel: threading.Event | None = None
@@ -367,7 +368,7 @@ class Engine:
         (None: the item itself), a step at a time (`Preprocessor.prepare_segments`). Nothing is decoded
         before the first `next()`; `cancel` stops the decoding within a block or a frame."""
         steps = self.preprocessor.prepare_segments(item, options, cancel)
-        return SegmentStream([_wrap(p, span) for span, p in step] for step in steps)
+        return SegmentStream([wrap_prepared(p, span) for span, p in step] for step in steps)
 
     def tokenize_many(
         self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
@@ -395,6 +396,13 @@ class Engine:
             finally:
                 stream.close()
         return [o for o in out if o is not None]
+
+    def prepare_processes(self, n: int) -> PrepareProcesses:
+        """`n` worker processes that run `prepare_many`'s work outside this process's GIL, on this
+        engine's model directory, limits and media (prepare_processes.py); not started yet."""
+        pre = self.preprocessor
+        media = sorted(pre.modalities)
+        return PrepareProcesses(n, self.model_dir, pre.config, pre.limits, media)
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -514,7 +522,7 @@ class Engine:
         except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()  # the engine stays usable: the caller retries smaller batches
             raise EngineOutOfMemory(f"out of accelerator memory on a batch of {len(batch)}") from e
-        return torch.cat(parts).numpy()
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).numpy()
 
     def _chunks(self, batch: Sequence[PreparedItem]) -> Iterator[Sequence[PreparedItem]]:
         """Consecutive runs of the batch whose padded size stays within its modality's limit."""
@@ -528,7 +536,16 @@ class Engine:
         yield batch[start:]
 
     def _forward(self, items: Sequence[Prepared]) -> torch.Tensor:
+        if self.packed is not None and all(p.modality == "text" for p in items):
+            return self._packed_text(items)
         return self.forward(*self.device_batch(items))
+
+    def _packed_text(self, items: Sequence[Prepared]) -> torch.Tensor:
+        """Text items on the packed path straight from their ids, end to end: what `forward` does
+        with the padded batch `device_batch` makes of them, without making it. Fewer torch calls on
+        the host, each of which gives the GIL up and waits to win it back (docs/PERF.md)."""
+        flat = np.concatenate([p.input_ids.numpy() for p in items])
+        return self._packed(torch.from_numpy(flat)[None], [p.num_tokens for p in items], {})
 
     def device_batch(self, items: Sequence[Prepared]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Prepared items -> (input_ids on the host, the other model inputs on the device, but the
@@ -556,8 +573,9 @@ class Engine:
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
         mask = inputs.pop("attention_mask")
         if self.packed is not None:
-            flat, lengths = self.packed_embeddings(input_ids, mask, inputs)
-            return self.packed.eager(flat, lengths) if self._eager_text else self.packed(flat, lengths)
+            valid = mask.cpu().numpy().astype(bool)  # (B, T); on the host already from device_batch
+            ids = torch.from_numpy(input_ids.cpu().numpy()[valid])[None]  # (1, N)
+            return self._packed(ids, valid.sum(1).tolist(), inputs)
         mask = mask.to(self.device, non_blocking=True)
         embeds = self.model.input_embeddings(input_ids, **inputs, towers=self.towers)
         graphs = None if self._eager_text else self.graphs
@@ -566,21 +584,13 @@ class Engine:
             vectors = self.model.encode(embeds, mask, lean=self.options.lean_text)
         return vectors
 
-    def packed_embeddings(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, inputs: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """(B, T) ids and mask on the host, the media inputs -> (N, H) input embeddings of the valid
-        tokens end to end, and each item's length: what the packed text graphs take.
-
-        The valid ids become one row: placeholders keep their reading order, so the media soft
-        tokens scatter into the same places as in the padded batch. numpy, not torch: torch's CPU
-        thread pool made this mask index cost ~1.2 ms for 64 docs (H200 host)."""
-        valid = mask.cpu().numpy().astype(bool)  # (B, T); on the host already from device_batch
-        ids = torch.from_numpy(input_ids.cpu().numpy()[valid])[None]  # (1, N)
-        if self.device.type == "cuda" and self.model.language_model.embed_tokens.weight.is_cuda:
-            ids = ids.pin_memory()  # a copy from pageable memory would sync the stream
+    def _packed(self, ids: torch.Tensor, lengths: list[int], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(1, N) host ids of items end to end, each item's length, the media inputs -> (B, D): the
+        input embeddings of that one row (placeholders keep their reading order, so the media soft
+        tokens scatter into the same places as in the padded batch), through the packed graphs."""
+        assert self.packed is not None
         flat = self.model.input_embeddings(ids, **inputs, towers=self.towers)[0]  # (N, H)
-        return flat, valid.sum(1).tolist()
+        return self.packed.eager(flat, lengths) if self._eager_text else self.packed(flat, lengths)
 
     # ---- reports --------------------------------------------------------------------------------
 
@@ -672,7 +682,8 @@ def _fuse_norms(model: EG2Model) -> None:
         log.warning("fused kernels unavailable (%s); using the reference paths", e)
 
 
-def _wrap(prepared: Prepared, span: Span | None = None) -> PreparedItem:
+def wrap_prepared(prepared: Prepared, span: Span | None = None) -> PreparedItem:
+    """The service's view of a prepared item: its modality and cost, the model inputs inside."""
     return PreparedItem(
         prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared, span=span
     )

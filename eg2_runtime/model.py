@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,13 +122,10 @@ class EG2Model(nn.Module):
             cfg.video_token_id: (pixel_values_videos, video_position_ids, image),
             cfg.audio_token_id: (input_features, input_features_mask, audio),
         }
-        placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
-        for token_id in media:
-            placeholder |= input_ids == token_id
-        embeds = self.language_model.embed(torch.where(placeholder, cfg.text.pad_token_id, input_ids))
+        slots_of, text_ids = _placeholders(input_ids, list(media), cfg.text.pad_token_id)
+        embeds = self.language_model.embed(text_ids)
         for token_id, (values, aux, encode) in media.items():
-            slots = input_ids == token_id  # (B, T)
-            n_slots = int(slots.sum())
+            slots, n_slots = slots_of[token_id]  # (B, T) bool, where input_ids is; how many
             if values is None or aux is None:
                 if n_slots:
                     raise ValueError(f"{n_slots} placeholder tokens {token_id} but no media inputs for them")
@@ -159,3 +157,26 @@ def pool(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     m = attention_mask.to(tokens.dtype)[..., None]
     mean = (tokens * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
     return F.normalize(mean, p=2, dim=-1)
+
+
+def _placeholders(
+    input_ids: torch.Tensor, token_ids: list[int], pad_id: int
+) -> tuple[dict[int, tuple[torch.Tensor, int]], torch.Tensor]:
+    """Where each media placeholder id sits in (B, T) `input_ids` ((B, T) bool each, and how many
+    there are), and the ids
+    with every placeholder replaced by `pad_id` (the rows the token table gives them are overwritten).
+
+    Host ids (the engine's) are compared in numpy: each torch op on the CPU lets the GIL go and has
+    to win it back, and under a busy event loop each of those waits up to a switch interval (H200,
+    2026-12-02, benchmarks/probe_gil_batch.py: 48 hand-offs to embed a 64-text batch). Device ids
+    take the same steps in torch."""
+    if input_ids.device.type == "cpu":
+        ids = input_ids.numpy()
+        found = {t: ids == t for t in token_ids}
+        text = np.where(np.logical_or.reduce(list(found.values())), pad_id, ids)
+        return {t: (torch.from_numpy(m), int(m.sum())) for t, m in found.items()}, torch.from_numpy(text)
+    slots = {t: input_ids == t for t in token_ids}
+    placeholder = torch.zeros_like(input_ids, dtype=torch.bool)
+    for m in slots.values():
+        placeholder |= m
+    return {t: (m, int(m.sum())) for t, m in slots.items()}, torch.where(placeholder, pad_id, input_ids)

@@ -10,6 +10,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,9 +50,15 @@ def engine(tiny_bf16: Path) -> Engine:
     return Engine.from_dir(tiny_bf16, device="cpu")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_bf16: Path) -> Iterator[LiveServer]:
-    settings = make_settings(max_request_items=64, max_request_bytes=2 << 20, max_batch_tokens=2048)
+@pytest.fixture(scope="module", params=[0, 2], ids=["media-on-threads", "media-on-processes"])
+def server(tiny_bf16: Path, request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """Every test here runs twice: media prepared on the server's threads, and on its worker processes."""
+    settings = make_settings(
+        max_request_items=64,
+        max_request_bytes=2 << 20,
+        max_batch_tokens=2048,
+        preprocess_processes=request.param,
+    )
     engine = Engine.from_dir(tiny_bf16, device="cpu", limits=settings.media_limits())
     with live(settings, engine, ready_timeout=120) as s:
         yield s
@@ -199,3 +209,37 @@ def test_nan_audio_is_refused_and_others_in_the_request_survive(client: httpx.Cl
     r = client.post("/v1/embeddings", json={"input": [audio_part(out.getvalue())]})
     assert_error(r, 400, "invalid_request_error")
     assert client.post("/v1/embeddings", json={"input": ["fine", audio_part(WAV)]}).status_code == 200
+
+
+def test_a_killed_media_worker_costs_no_request(
+    server: LiveServer, client: httpx.Client, engine: Engine
+) -> None:
+    """With media on worker processes: every worker killed while a request's video is being
+    prepared, that request and the ones after it still get their vectors (the pool starts again and
+    runs the job once more)."""
+    procs = server.service.batcher._procs
+    if server.settings.preprocess_processes == 0:
+        assert procs is None  # the threads prepare: nothing to kill
+        return
+    assert procs is not None and len(procs.pids()) == 2
+    video = samples.mp4(40, width=640, height=480)
+    body = {"input": [{"content": [video_part(video)]}], "encoding_format": "base64"}
+    result: dict[str, httpx.Response] = {}
+    sender = threading.Thread(target=lambda: result.update(r=client.post("/v1/embeddings", json=body)))
+    restarts, pids = procs.restarts, procs.pids()
+    sender.start()
+    deadline = time.monotonic() + 60
+    while not procs.in_flight:  # the video's job is in the pool
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    sender.join(timeout=120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    got = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), "<f4")
+    item = Item((MediaPart("video", video),))
+    np.testing.assert_allclose(got, in_process(engine, [item])[0][0], atol=ATOL)
+    assert procs.restarts == restarts + 1 and not set(procs.pids()) & set(pids)
+    r = client.post("/v1/embeddings", json={"input": [{"content": [image_part(PNG)]}]})
+    assert r.status_code == 200, r.text

@@ -226,6 +226,10 @@ class FakeEngine:
     def init_prepare_thread(self) -> None:
         """As Engine.init_prepare_thread: the fake runs no torch, so nothing to set."""
 
+    def prepare_processes(self, n: int) -> Any:
+        """The fake prepares on threads only: its services run with prepare_processes=0."""
+        raise NotImplementedError("FakeEngine has no preparing processes")
+
     def prepare_many(
         self, items: Sequence[Item], options: PrepareOptions, cancel: threading.Event | None = None
     ) -> list[PreparedItem | EG2Error]:
@@ -316,6 +320,7 @@ def make_settings(**overrides: Any) -> Settings:
         "max_batch_items": 16,
         "max_queue_delay_ms": 2.0,
         "preprocess_workers": 2,
+        "preprocess_processes": 0,  # the fake prepares on threads; real-engine tests ask for processes
         "log_json": True,
     }
     base.update(overrides)

@@ -1,0 +1,350 @@
+"""Preparing items in worker processes: decoding and preprocessing outside the serving process's GIL.
+
+Why: the service prepares media on threads of the process that also runs the event loop and the GPU
+thread. Decoders and torch's CPU ops release the GIL, but every hand-back waits for it: on the H200
+host one 641x479 PNG took 7.7 ms to prepare alone in a process and 12.5-17.9 ms inside the serving
+process (docs/PERF.md). A worker process prepares it with a GIL of its own.
+
+    submit(items, options) ──► a job: one ProcessPoolExecutor task on a spawned worker
+        worker: Preprocessor.prepare_batch(items) -> PreparedItems, pickled once (tensors as bytes)
+        └─► the pool's result thread unpickles them into the job's future (off the event loop)
+
+Each worker builds its own Preprocessor from the model directory (tokenizer, processor config),
+imports torch but never touches the GPU, and runs torch and BLAS on one thread: the workers already
+use the cores in parallel.
+
+Cancelling: a job has a slot in a shared array of flags; `PrepareJob.cancel()` sets it and the
+worker's decoders stop within a frame or an audio block, as a thread's cancel flag stops them. A job
+not yet started is dropped.
+
+A worker that dies (a decoder crash, the kernel's OOM killer) breaks the pool: the pool is started
+again, and every job that was in it runs once more on the new one. A job whose second run breaks
+the pool too fails with EngineError; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+from eg2_runtime.api import PreparedItem
+from eg2_runtime.config import ModelConfig
+from eg2_runtime.errors import EG2Error, EngineError
+from eg2_runtime.inputs import Item, MediaKind, MediaLimits, PrepareOptions
+
+log = logging.getLogger(__name__)
+
+SLOTS = 4096  # cancel flags: jobs in flight past this many run without one (admission bounds them far lower)
+RUNS = 2  # a job runs at most this many times when workers die under it
+
+
+class PrepareJob:
+    """One submitted job: `future` gives its PreparedItems (or errors, each in its item's slot), and
+    `seconds` how long the worker took."""
+
+    def __init__(
+        self, owner: PrepareProcesses, items: Sequence[Item], options: PrepareOptions, slot: int | None
+    ):
+        self.future: Future[list[PreparedItem | EG2Error]] = Future()
+        self.seconds = 0.0
+        self.runs = 0
+        self._owner, self._items, self._options, self.slot = owner, list(items), options, slot
+
+    def cancel(self) -> None:
+        """Stop the work: dropped if not started, stopped within a frame or block if running."""
+        self._owner._cancel(self)
+
+
+class PrepareProcesses:
+    """N spawned worker processes running `Preprocessor.prepare_batch` for the items they are given."""
+
+    def __init__(
+        self,
+        n: int,
+        model_dir: Path,
+        config: ModelConfig,
+        limits: MediaLimits | None,
+        modalities: Sequence[MediaKind],
+    ) -> None:
+        if n < 1:
+            raise ValueError("PrepareProcesses needs at least one process")
+        self.n = n
+        # spawn, not fork: the serving process has a CUDA context and threads, which a fork would copy.
+        self._ctx = multiprocessing.get_context("spawn")
+        self._flags = self._ctx.RawArray(ctypes.c_bool, SLOTS)
+        self._free = list(range(SLOTS))
+        self._lock = threading.Lock()
+        self._initargs = (model_dir, config, limits, list(modalities), self._flags)
+        self._pool = self._new_pool()
+        self._closed = False
+        self.restarts = 0
+        self.in_flight = 0  # jobs submitted and not yet done
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.n, mp_context=self._ctx, initializer=_init, initargs=self._initargs)
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start every worker now and wait until each has built its preprocessor (the boot calls this
+        before the server turns ready: a worker imports torch, seconds)."""
+        deadline, seen = time.monotonic() + timeout_s, set[int]()
+        while len(seen) < self.n:  # a fast worker may take two of a round's tasks: go again
+            tasks = [self._pool.submit(_ready, 0.05) for _ in range(self.n)]
+            seen |= {t.result(timeout=max(0.0, deadline - time.monotonic())) for t in tasks}
+
+    def pids(self) -> list[int]:
+        """The live workers' process ids (tests, and what an operator sees in ps)."""
+        return [p.pid for p in list(getattr(self._pool, "_processes", {}).values()) if p.pid is not None]
+
+    def submit(self, items: Sequence[Item], options: PrepareOptions) -> PrepareJob:
+        with self._lock:
+            slot = self._free.pop() if self._free else None
+        if slot is not None:
+            self._flags[slot] = False
+        job = PrepareJob(self, items, options, slot)
+        with self._lock:
+            self.in_flight += 1
+        job.future.add_done_callback(lambda _: self._release(job))
+        self._run(job)
+        return job
+
+    def close(self) -> None:
+        """Stop the workers: queued jobs are cancelled, running ones are killed."""
+        self._closed = True
+        pool = self._pool
+        processes = list(
+            getattr(pool, "_processes", {}).values()
+        )  # private, until Python 3.14's terminate_workers
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in processes:
+            if p.is_alive():
+                p.terminate()
+
+    # ---- the job's runs ---------------------------------------------------------------------------
+
+    def _run(self, job: PrepareJob) -> None:
+        if job.future.done():  # cancelled meanwhile
+            return
+        job.runs += 1
+        pool = self._pool
+        try:
+            task = pool.submit(_prepare, job._items, job._options, job.slot)
+        except BrokenProcessPool:
+            self._broken(pool, job)
+            return
+        except RuntimeError as e:  # shut down
+            job.future.set_exception(EngineError(f"the preparing processes are stopped ({e})"))
+            return
+        job._task = task  # type: ignore[attr-defined]
+        task.add_done_callback(lambda t: self._done(pool, job, t))
+
+    def _done(self, pool: ProcessPoolExecutor, job: PrepareJob, task: Future[Any]) -> None:
+        """On the pool's result thread: unpickle the items here, not on the caller's event loop."""
+        if job.future.done():
+            return
+        if task.cancelled():
+            job.future.cancel()
+            return
+        error = task.exception()
+        if isinstance(error, BrokenProcessPool):
+            self._broken(pool, job)
+            return
+        if error is not None:
+            _settle(job.future, None, error)
+            return
+        try:
+            seconds, payload = task.result()
+            job.seconds = seconds
+            _settle(job.future, _receive(*payload), None)
+        except Exception as e:  # an unpicklable result is a bug: the request gets a 500, not a hang
+            _settle(job.future, None, EngineError(f"a preparing process returned an unreadable result ({e})"))
+
+    def _broken(self, pool: ProcessPoolExecutor, job: PrepareJob) -> None:
+        """A worker of `pool` died: start a new pool (once per broken pool), run the job again there."""
+        with self._lock:
+            if self._pool is pool and not self._closed:
+                log.error("a preparing process died; starting the pool again")
+                pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new_pool()
+                self.restarts += 1
+        if job.runs >= RUNS or self._closed:
+            _settle(
+                job.future,
+                None,
+                EngineError(
+                    "a preparing process died while preparing this request's media (twice); not retried"
+                ),
+            )
+            return
+        self._run(job)
+
+    def _cancel(self, job: PrepareJob) -> None:
+        if job.slot is not None:
+            self._flags[job.slot] = True
+        task = getattr(job, "_task", None)
+        if task is not None:
+            task.cancel()  # only a task not yet handed to a worker
+        job.future.cancel()
+
+    def _release(self, job: PrepareJob) -> None:
+        """The job's slot is free again once its future is done and its worker has left it: a running
+        task that was cancelled may still read its flag, so the slot waits for the task."""
+        with self._lock:
+            self.in_flight -= 1
+        if job.slot is None:
+            return
+        task = getattr(job, "_task", None)
+
+        def free(_: object = None) -> None:
+            with self._lock:
+                self._free.append(job.slot)  # type: ignore[arg-type]
+
+        if task is None or task.done():
+            free()
+        else:
+            task.add_done_callback(free)
+
+
+def _settle(future: Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+# ---- in the worker process ------------------------------------------------------------------------
+
+_STATE: dict[str, Any] = {}
+
+
+class _SharedFlag(threading.Event):
+    """A job's cancel flag as the decoders read it (`is_set`): one byte the serving process sets."""
+
+    def __init__(self, flags: Any, slot: int) -> None:
+        super().__init__()
+        self._flags, self._slot = flags, slot
+
+    def is_set(self) -> bool:
+        return bool(self._flags[self._slot])
+
+
+def _init(
+    model_dir: Path, config: ModelConfig, limits: MediaLimits | None, modalities: list[MediaKind], flags: Any
+) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server drains
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a worker holds no GPU memory, whatever it imports
+    import torch
+
+    from eg2_runtime.engine import single_threaded_numpy_blas
+    from eg2_runtime.preprocess.preprocessor import Preprocessor
+
+    torch.set_num_threads(1)
+    single_threaded_numpy_blas()
+    _STATE["pre"] = Preprocessor.from_dir(model_dir, config, limits=limits, modalities=modalities)
+    _STATE["flags"] = flags
+
+
+def _ready(seconds: float) -> int:
+    time.sleep(seconds)  # hold this worker so the next start-up task goes to another one
+    return os.getpid()
+
+
+def _prepare(items: list[Item], options: PrepareOptions, slot: int | None) -> tuple[float, Shipped]:
+    from eg2_runtime.engine import wrap_prepared
+
+    start = time.monotonic()
+    cancel = _SharedFlag(_STATE["flags"], slot) if slot is not None else None
+    out = _STATE["pre"].prepare_batch(items, options, executor=None, cancel=cancel)
+    prepared = [p if isinstance(p, EG2Error) else wrap_prepared(p) for p in out]
+    return time.monotonic() - start, _ship(prepared)
+
+
+# ---- the way back: tensors through a file in shared memory, the rest pickled -----------------------
+#
+# Through the pool's pipe, one prepared 641x479 image (1.9 MB) took 4.4 ms to arrive and 3 ms to pickle
+# and unpickle as torch tensors (dev machine). Instead the worker pickles the tensors' bytes out of band
+# (as numpy buffers, protocol 5) into one file under /dev/shm, and sends only the small pickle and the
+# file's name: one copy in, one copy out. Where /dev/shm is missing or full (a container's default is
+# 64 MiB), the whole pickle goes through the pipe instead.
+
+SHM_DIR = Path("/dev/shm")
+Shipped = tuple[bytes, str | None, list[int]]  # (pickle, file holding its buffers or None, their sizes)
+_SEQ = iter(range(1 << 62))
+
+
+def _from_numpy(array: Any) -> Any:
+    import torch
+
+    return torch.from_numpy(array)
+
+
+class _Pickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.dtype not in _NO_NUMPY:
+            return _from_numpy, (obj.detach().contiguous().numpy(),)
+        return NotImplemented
+
+
+_NO_NUMPY: set[Any] = set()  # dtypes numpy has no type for: filled on first use (bfloat16)
+
+
+def _ship(obj: Any) -> Shipped:
+    import io
+
+    import torch
+
+    _NO_NUMPY.add(torch.bfloat16)
+    buffers: list[pickle.PickleBuffer] = []
+    head = io.BytesIO()
+    _Pickler(head, protocol=5, buffer_callback=buffers.append).dump(obj)
+    if not buffers:
+        return head.getvalue(), None, []
+    views = [b.raw() for b in buffers]
+    path = SHM_DIR / f"eg2-prep-{os.getppid()}-{os.getpid()}-{next(_SEQ)}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for view in views:
+                while view:
+                    view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    except OSError:  # no /dev/shm, or full: everything through the pipe
+        path.unlink(missing_ok=True)
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None, []
+    return head.getvalue(), str(path), [v.nbytes for v in views]
+
+
+def _receive(head: bytes, path: str | None, sizes: list[int]) -> Any:
+    if path is None:
+        return pickle.loads(head)
+    data = bytearray(sum(sizes))
+    try:
+        with open(path, "rb", buffering=0) as f:
+            view, got = memoryview(data), 0
+            while got < len(data):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise EOFError(f"{path}: {got} of {len(data)} bytes")
+                got += n
+    finally:
+        os.unlink(path)
+    views, at = [], 0
+    for size in sizes:
+        views.append(memoryview(data)[at : at + size])
+        at += size
+    return pickle.loads(head, buffers=views)  # numpy arrays over `data`, tensors over those: no copy

@@ -1,0 +1,172 @@
+"""The preparing processes (eg2_runtime/prepare_processes.py) against the same engine's own
+`prepare_many` on this thread: the same inputs bit for bit, errors in their slots, cancelling, a
+worker that dies, and the way back through /dev/shm or, without it, the pipe. Real spawned processes
+on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from eg2_runtime import prepare_processes, samples
+from eg2_runtime.api import PreparedItem
+from eg2_runtime.engine import Engine
+from eg2_runtime.errors import Cancelled, EngineError, MediaDecodeError
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.prepare_processes import PrepareProcesses
+
+IMAGE = Item((MediaPart("image", samples.png(320, 240)),))
+CLIP = Item((MediaPart("audio", samples.wav(2.0)),))
+VIDEO = Item((MediaPart("video", samples.mp4(3)),))
+MIXED = Item((TextPart("a caption:"), MediaPart("image", samples.png(96, 64))))
+LONG_VIDEO = Item((MediaPart("video", samples.mp4(60, width=640, height=480)),))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bf16: Path) -> Engine:
+    return Engine.from_dir(tiny_bf16, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def long_s(engine: Engine) -> float:
+    """How long LONG_VIDEO takes to prepare here: a kill or a cancel lands at a quarter of it."""
+    start = time.monotonic()
+    engine.prepare_many([LONG_VIDEO], PrepareOptions())
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def procs(engine: Engine) -> Iterator[PrepareProcesses]:
+    p = engine.prepare_processes(2)
+    p.start()
+    yield p
+    p.close()
+
+
+def same(a: PreparedItem, b: PreparedItem) -> bool:
+    if (a.modality, a.num_tokens, a.cost) != (b.modality, b.num_tokens, b.cost):
+        return False
+    for f in dataclasses.fields(a.inputs):
+        x, y = getattr(a.inputs, f.name), getattr(b.inputs, f.name)
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("item", [IMAGE, CLIP, VIDEO, MIXED], ids=["image", "audio", "video", "text+image"])
+def test_a_worker_prepares_what_this_thread_prepares(
+    procs: PrepareProcesses, engine: Engine, item: Item
+) -> None:
+    job = procs.submit([item], PrepareOptions())
+    (got,) = job.future.result(timeout=60)
+    (want,) = engine.prepare_many([item], PrepareOptions())
+    assert isinstance(got, PreparedItem) and isinstance(want, PreparedItem)
+    assert same(got, want)
+    assert job.seconds > 0
+
+
+def test_a_bad_item_gives_its_error_in_its_slot(procs: PrepareProcesses) -> None:
+    bad = Item((MediaPart("image", b"not an image at all"),))
+    got = procs.submit([IMAGE, bad], PrepareOptions()).future.result(timeout=60)
+    assert isinstance(got[0], PreparedItem)
+    assert isinstance(got[1], MediaDecodeError) and got[1].param == "input"
+    assert "could not decode image" in got[1].message
+
+
+def test_cancel_stops_a_running_decode(procs: PrepareProcesses, long_s: float) -> None:
+    job = procs.submit([LONG_VIDEO], PrepareOptions())
+    time.sleep(long_s / 4)
+    job.cancel()
+    assert job.future.cancelled()
+    task = job._task  # type: ignore[attr-defined]
+    with pytest.raises(Cancelled):  # the worker stopped on the flag, not at the end of the video
+        task.result(timeout=120)
+    # and the slot is free again: a job after it runs normally
+    assert isinstance(procs.submit([IMAGE], PrepareOptions()).future.result(timeout=60)[0], PreparedItem)
+
+
+def test_a_worker_that_dies_is_replaced_and_its_job_runs_again(engine: Engine, long_s: float) -> None:
+    p = engine.prepare_processes(1)
+    try:
+        p.start()
+        (pid,) = p.pids()
+        job = p.submit([LONG_VIDEO], PrepareOptions())
+        time.sleep(long_s / 4)
+        os.kill(pid, signal.SIGKILL)
+        (got,) = job.future.result(timeout=120)
+        assert isinstance(got, PreparedItem) and job.runs == 2 and p.restarts == 1
+        assert p.pids() and p.pids() != [pid]
+        assert isinstance(p.submit([IMAGE], PrepareOptions()).future.result(timeout=60)[0], PreparedItem)
+    finally:
+        p.close()
+
+
+def test_a_job_whose_second_run_dies_too_fails_alone(engine: Engine, long_s: float) -> None:
+    p = engine.prepare_processes(1)
+    try:
+        p.start()
+        job = p.submit([LONG_VIDEO], PrepareOptions())
+        for _ in range(2):
+            deadline = time.monotonic() + 60
+            while not p.pids() or job.runs == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            runs = job.runs
+            time.sleep(long_s / 4)
+            os.kill(p.pids()[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while job.runs == runs and not job.future.done():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with pytest.raises(EngineError, match="died"):
+            job.future.result(timeout=60)
+        assert isinstance(p.submit([IMAGE], PrepareOptions()).future.result(timeout=60)[0], PreparedItem)
+    finally:
+        p.close()
+
+
+def test_close_stops_the_workers(engine: Engine) -> None:
+    p = engine.prepare_processes(2)
+    p.start()
+    pids = p.pids()
+    p.close()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "workers still alive after close()"
+        time.sleep(0.05)
+
+
+def test_without_dev_shm_the_items_come_through_the_pipe(
+    monkeypatch: pytest.MonkeyPatch, engine: Engine
+) -> None:
+    item = engine.prepare_many([IMAGE], PrepareOptions())[0]
+    shipped = prepare_processes._ship([item])
+    assert shipped[1] is not None and shipped[2]  # the tensors went to a file
+    assert same(prepare_processes._receive(*shipped)[0], item)
+    assert not Path(shipped[1]).exists()  # read once, then removed
+    monkeypatch.setattr(prepare_processes, "SHM_DIR", Path("/nonexistent-eg2-shm"))
+    shipped = prepare_processes._ship([item])
+    assert shipped[1] is None and shipped[2] == []
+    assert same(prepare_processes._receive(*shipped)[0], item)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie until its parent reaps it
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
