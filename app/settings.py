@@ -175,7 +175,7 @@ class Settings(BaseSettings):
         description="Worker processes that decode and preprocess media items (images, audio, video), each "
         "with a GIL of its own, so decoding does not wait on the event loop and the GPU thread. Unset: on a "
         "GPU, one per two cores, at most 8; on a CPU, none. 0: media are prepared on the preprocessing "
-        "threads, as text always is. Each process holds a tokenizer and torch's CPU runtime (~0.3-0.5 GB of "
+        "threads, as text always is. Each process holds a tokenizer and torch's CPU runtime (~0.4 GB of private "
         "host memory, no GPU memory) and hands its items back through /dev/shm (give a container "
         "`--shm-size 1g`; where it is full they go through a pipe, slower). Fewer: less host memory, "
         "slower media under concurrent load (docs/PERF.md measures it).",

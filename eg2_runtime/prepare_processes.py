@@ -128,7 +128,7 @@ class PrepareProcesses:
         pool.shutdown(wait=False, cancel_futures=True)
         for p in processes:
             if p.is_alive():
-                p.terminate()
+                p.kill()  # they ignore SIGTERM (_init)
 
     # ---- the job's runs ---------------------------------------------------------------------------
 
@@ -243,7 +243,10 @@ class _SharedFlag(threading.Event):
 def _init(
     model_dir: Path, config: ModelConfig, limits: MediaLimits | None, modalities: list[MediaKind], flags: Any
 ) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the server drains
+    # Ctrl-C, or a SIGTERM sent to the whole group, is the server's to act on: it drains, then stops
+    # these workers itself (close).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a worker holds no GPU memory, whatever it imports
     import torch
 
