@@ -499,8 +499,10 @@ class Engine:
         t0 = time.perf_counter()
         startup: Sequence[Any] = STARTUP_TOKEN_BUCKETS if self.packed is not None else STARTUP_TEXT_BUCKETS
         # The largest first (see GraphPool): the text buckets of 2,048 tokens and more, the towers',
-        # then the smaller text buckets, which reuse the blocks of the first.
-        text.capture_buckets(k for k in startup if text.tokens(k) >= 2048)
+        # then the smaller text buckets, which reuse the blocks of the first. Each leaves room for
+        # the executables of those after it: a query's small bucket must not lose to the largest.
+        small = [k for k in startup if text.tokens(k) < 2048]
+        text.capture_buckets((k for k in startup if text.tokens(k) >= 2048), then=len(small) + 2)
         towers = self.towers
         if towers is not None:
             towers.capture_startup(

@@ -79,6 +79,12 @@ class GraphPool:
     (else the allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is
     captured while that total plus what it may add fits the budget. Past it the bucket is refused,
     and batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
+
+    Estimates are models; the measurement corrects them. A capture that counted its whole estimate
+    teaches the pool how far off the estimates run (`scale`, applied to the later ones), and a
+    capture that left the pool over its budget is dropped again and its bucket refused (H200,
+    2026-12-02: the text-only engine's first bucket, 4,096 tokens estimated at 170 MiB, added 298
+    to a 234 MiB pool, and every later bucket was refused: one-token queries replayed 4,096 tokens).
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
@@ -87,20 +93,22 @@ class GraphPool:
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest = 0  # the largest estimate among the captures the pool holds
+        self.scale = 1.0  # measured / estimated activations, from the captures that counted them whole
 
     def need(self, estimate: int) -> int:
         """What a capture estimated at `estimate` activation bytes may add to the pool: its executable,
         and its activations in full unless a capture at least as large already holds their blocks."""
-        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest else estimate)
+        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest else int(estimate * self.scale))
 
-    def admits(self, estimate: int) -> bool:
-        """Whether such a capture fits the budget beside what the captures so far added."""
-        return self.budget is None or self.used + self.need(estimate) <= self.budget
+    def admits(self, estimate: int, then: int = 0) -> bool:
+        """Whether such a capture fits the budget beside what the captures so far added, leaving
+        room for the executables of `then` smaller captures to follow (a start-up set)."""
+        return self.budget is None or self.used + self.need(estimate) + then * GRAPH_EXECUTABLE <= self.budget
 
-    def reserve(self, estimate: int) -> bool:
+    def reserve(self, estimate: int, then: int = 0) -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
         `need` joins `used` as if measured. False: refused."""
-        if not self.admits(estimate):
+        if not self.admits(estimate, then):
             return False
         self._took(estimate, self.need(estimate))
         return True
@@ -122,6 +130,7 @@ class GraphPool:
         estimate: int,
         around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         run: bool = True,
+        then: int = 0,
     ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
         """`capture_graph` of `step` over the static buffers `inputs()` makes, into this pool, what it
         adds measured into `used`: (the graph, its buffers, its static output), or None when the
@@ -133,10 +142,10 @@ class GraphPool:
 
         `run` False captures nothing (the CPU, where the padded step runs eagerly in the graph's
         stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
-        None) comes back."""
+        None) comes back. `then`: see `admits`."""
         if not run:
-            return (None, inputs(), None) if self.reserve(estimate) else None
-        if not self.admits(estimate):
+            return (None, inputs(), None) if self.reserve(estimate, then) else None
+        if not self.admits(estimate, then):
             return None
         before = self._now()
         try:
@@ -145,7 +154,14 @@ class GraphPool:
         except torch.OutOfMemoryError:
             self.used += max(0, self._now() - before)  # what the failed capture left in the pool
             return None
-        self._took(estimate, max(0, self._now() - before))
+        added = max(0, self._now() - before)
+        if estimate > self.largest and estimate > 0:  # counted whole: how far off was the model?
+            self.scale = max(self.scale, (added - GRAPH_EXECUTABLE) / estimate)
+        if self.budget is not None and self.used + added > self.budget:
+            del graph, buffers, out  # over budget: drop it again (its blocks stay for later captures)
+            self.used += max(0, self._now() - before)
+            return None
+        self._took(estimate, added)
         return graph, buffers, out
 
 
@@ -224,12 +240,14 @@ class TextGraphs(Generic[K]):
         raise NotImplementedError
 
     def _take(
-        self, key: K, step: Callable[..., Any], inputs: Callable[[], Sequence[torch.Tensor]]
+        self, key: K, step: Callable[..., Any], inputs: Callable[[], Sequence[torch.Tensor]], then: int = 0
     ) -> Captured | None:
         """Bucket `key`'s graph of `step` over the buffers `inputs()` makes, captured now; None (and
-        the bucket refused for good) when the pool's budget does not hold its tokens."""
+        the bucket refused for good) when the pool's budget does not hold its tokens (and the
+        executables of `then` captures to follow)."""
         t0 = time.perf_counter()
-        got = self.pool.capture(step, inputs, self.token_bytes * self.tokens(key), run=self.capture)
+        estimate = self.token_bytes * self.tokens(key)
+        got = self.pool.capture(step, inputs, estimate, run=self.capture, then=then)
         if got is None:
             log.info("text graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
@@ -334,12 +352,14 @@ class GraphedTextEncoder(TextGraphs[tuple[int, int]]):
         assert captured.out is not None
         return captured.out[:b].clone()  # the static output is overwritten by the next replay
 
-    def capture_buckets(self, keys: Iterable[tuple[int, int]]) -> int:
+    def capture_buckets(self, keys: Iterable[tuple[int, int]], then: int = 0) -> int:
         """Capture these buckets now (service boot) rather than on first use, those within the
-        bounds, largest first (see GraphPool). Returns how many graphs there are."""
-        for key in sorted(keys, key=lambda k: -k[0] * k[1]):
-            if self.bucket(*key) == key and key not in self.graphs and key not in self.refused:
-                self._capture(key)
+        bounds, largest first (see GraphPool), each leaving room for the executables of the ones
+        after it and `then` more. Returns how many graphs there are."""
+        todo = [k for k in sorted(keys, key=lambda k: -k[0] * k[1]) if self.bucket(*k) == k]
+        for i, key in enumerate(todo):
+            if key not in self.graphs and key not in self.refused:
+                self._capture(key, then=len(todo) - 1 - i + then)
         return len(self.graphs)
 
     def _inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,9 +374,9 @@ class GraphedTextEncoder(TextGraphs[tuple[int, int]]):
     def _step(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return pool(self.encoder(x, v, static=True, lean=True).float(), v)
 
-    def _capture(self, key: tuple[int, int]) -> Captured | None:
+    def _capture(self, key: tuple[int, int], then: int = 0) -> Captured | None:
         """The padded bucket's graph, captured now (TextGraphs._take)."""
-        return self._take(key, self._step, partial(self._inputs, key))
+        return self._take(key, self._step, partial(self._inputs, key), then)
 
     def tokens(self, key: tuple[int, int]) -> int:
         return key[0] * key[1]

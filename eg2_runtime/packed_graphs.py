@@ -170,15 +170,17 @@ class PackedTextGraphs(TextGraphs[int]):
         assert captured.out is not None
         return captured.out[: len(lengths)].clone()  # the static output is overwritten next replay
 
-    def capture_buckets(self, rungs: Iterable[int]) -> int:
-        """Capture these buckets now (service boot), largest first (see GraphPool). Returns how many
-        graphs there are."""
-        for n in sorted(rungs, reverse=True):
-            if n <= self.max_tokens and n not in self.graphs and n not in self.refused:
-                self._capture(n)
+    def capture_buckets(self, rungs: Iterable[int], then: int = 0) -> int:
+        """Capture these buckets now (service boot), largest first (see GraphPool), each leaving
+        room for the executables of the ones after it and `then` more. Returns how many graphs
+        there are."""
+        todo = sorted((n for n in rungs if n <= self.max_tokens), reverse=True)
+        for i, n in enumerate(todo):
+            if n not in self.graphs and n not in self.refused:
+                self._capture(n, then=len(todo) - 1 - i + then)
         return len(self.graphs)
 
-    def _capture(self, n: int) -> Captured | None:
+    def _capture(self, n: int, then: int = 0) -> Captured | None:
         """Bucket n's graph, captured now (TextGraphs._take)."""
 
         def inputs() -> Sequence[torch.Tensor]:
@@ -186,7 +188,7 @@ class PackedTextGraphs(TextGraphs[int]):
             layout.copy_(Packing.layout([n], tokens=n, items=items_for(n)))  # any valid layout
             return x, layout
 
-        return self._take(n, partial(self._bucket_step, n), inputs)
+        return self._take(n, partial(self._bucket_step, n), inputs, then)
 
     def tokens(self, key: int) -> int:
         return key

@@ -25,6 +25,7 @@ from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_GRAPHS
 from eg2_runtime.model import pool
+from eg2_runtime.packed_graphs import PackedTextGraphs
 
 TOL = 1e-5  # FP32 on the CPU: padding must not move a valid row beyond float rounding
 
@@ -103,6 +104,41 @@ def test_a_capture_no_larger_than_the_pools_largest_adds_only_its_executable() -
     assert graphs.reserve(big)
     assert not graphs.reserve(1), "no room left for a fourth executable"
     assert graphs.used == big + 3 * GRAPH_EXECUTABLE
+
+
+def test_a_start_up_bucket_leaves_room_for_the_executables_of_the_smaller_ones(tiny_fp32: Path) -> None:
+    """The largest start-up bucket is captured only if the smaller ones' executables fit after it:
+    else it is refused and the small buckets, which short queries take, all get their graphs."""
+    model, _ = load_model(tiny_fp32, "cpu")
+    token_bytes = 1 << 20
+    rungs = (32, 64, 128, 256)
+    # Room for the 256-token bucket and one executable, not four.
+    pool = GraphPool(256 * token_bytes + 2 * GRAPH_EXECUTABLE)
+    packed = PackedTextGraphs(model.language_model, 1024, pool=pool, token_bytes=token_bytes, capture=False)
+    packed.capture_buckets(rungs)
+    assert sorted(packed.graphs) == [32, 64, 128] and packed.refused == {256}
+
+
+def test_the_pool_learns_how_far_off_its_estimates_run_and_drops_a_capture_past_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A capture that adds more than estimated scales the estimates after it; one that leaves the pool
+    past its budget is dropped (what it left behind still counted) and its bucket refused. The GPU
+    measurement is replaced by a script of readings: this checks the pool's arithmetic."""
+    from eg2_runtime import graphs as graphs_module
+
+    mib = 1 << 20
+    readings = iter([0, 300 * mib, 10 * mib, 10 * mib, 120 * mib])  # before / after each capture
+    pool = GraphPool(234 * mib)
+    monkeypatch.setattr(pool, "_now", lambda: next(readings))
+    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+    step, inputs = (lambda: None), (lambda: [])
+    assert pool.capture(step, inputs, 170 * mib) is None, "300 MiB measured against a 234 MiB budget"
+    assert pool.used == 10 * mib and pool.largest == 0  # what the dropped capture left (a workspace)
+    assert pool.scale == pytest.approx((300 - 4) / 170)
+    assert not pool.admits(130 * mib), "130 MiB estimated is ~226 measured: past the budget now"
+    got = pool.capture(step, inputs, 62 * mib)  # ~108 MiB scaled
+    assert got is not None and pool.used == 120 * mib and pool.largest == 62 * mib
 
 
 def test_the_memory_plan_counts_the_start_up_graphs_the_engine_captures() -> None:
