@@ -135,8 +135,9 @@ def test_the_pool_learns_how_far_off_its_estimates_run_and_drops_a_capture_past_
     step, inputs = (lambda: None), (lambda: [])
     assert pool.capture(step, inputs, 170 * mib) is None, "300 MiB measured against a 234 MiB budget"
     assert pool.used == 10 * mib and pool.largest == 0  # what the dropped capture left (a workspace)
-    assert pool.scale == pytest.approx((300 - 4) / 170)
+    assert pool.scale == {"text": pytest.approx((300 - 4) / 170)}
     assert not pool.admits(130 * mib), "130 MiB estimated is ~226 measured: past the budget now"
+    assert pool.admits(130 * mib, kind="image"), "another kind's estimates keep their own scale"
     got = pool.capture(step, inputs, 62 * mib)  # ~108 MiB scaled
     assert got is not None and pool.used == 120 * mib and pool.largest == 62 * mib
 
