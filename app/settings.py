@@ -155,13 +155,13 @@ class Settings(BaseSettings):
         "0 never waits.",
     )
     gil_switch_interval_ms: float = Field(
-        default=0.5,
+        default=0.1,
         gt=0,
         description="How long a thread holding Python's GIL keeps it while another waits (sys.setswitchinterval). "
         "The GPU thread gives the GIL up at every blocking step of a batch (copies, syncs) and must win it back "
         "from a busy event loop each time, waiting up to this long (Python's default is 5 ms; measured in "
-        "docs/PERF.md). Smaller: the GPU and preparing threads get the interpreter back sooner; the event loop is "
-        "interrupted more often.",
+        "docs/PERF.md, with 0.1 against 0.5 ms). Smaller: the GPU thread gets the interpreter back sooner; the "
+        "event loop is interrupted more often, each switch a few microseconds of its time.",
     )
     preprocess_workers: int = Field(
         default_factory=_default_workers,
@@ -175,8 +175,8 @@ class Settings(BaseSettings):
         description="Worker processes that decode and preprocess media items (images, audio, video), each "
         "with a GIL of its own, so decoding does not wait on the event loop and the GPU thread. Unset: on a "
         "GPU, one per two cores, at most 8; on a CPU, none. 0: media are prepared on the preprocessing "
-        "threads, as text always is. Each process holds a tokenizer and torch's CPU runtime (~0.4 GB of private "
-        "host memory, no GPU memory) and hands its items back through /dev/shm (give a container "
+        "threads, as text always is. Each process holds a tokenizer and torch's CPU runtime (host memory, "
+        "measured in docs/PERF.md; no GPU memory) and hands its items back through /dev/shm (give a container "
         "`--shm-size 1g`; where it is full they go through a pipe, slower). Fewer: less host memory, "
         "slower media under concurrent load (docs/PERF.md measures it).",
     )

@@ -75,6 +75,13 @@ def test_a_worker_prepares_what_this_thread_prepares(
     assert job.seconds > 0
 
 
+def test_each_worker_has_prepared_every_loaded_modality_before_its_first_job(procs: PrepareProcesses) -> None:
+    """A cold worker's first video paid for the decoders' imports (90 ms against 33 on the H200):
+    every worker prepares a small item of each modality as it starts."""
+    warmed = [procs._pool.submit(prepare_processes._warmed).result(timeout=60) for _ in range(4)]
+    assert warmed == [["audio", "image", "video"]] * 4
+
+
 def test_a_bad_item_gives_its_error_in_its_slot(procs: PrepareProcesses) -> None:
     bad = Item((MediaPart("image", b"not an image at all"),))
     got = procs.submit([IMAGE, bad], PrepareOptions()).future.result(timeout=60)
