@@ -1,0 +1,105 @@
+"""Probe (GPU): where `eg2 serve`'s own CPU time goes under load, with py-spy on the server process.
+
+    python -m benchmarks.profile_server --out DIR [--py-spy PATH] [--seconds 12]
+
+Boots `eg2 serve` on the generated full-size hybrid-w4 checkpoint (as `eg2 bench` does), then, for
+each load below, records the server with `py-spy record --gil --threads` (a sample only when a
+thread holds the GIL, so the samples say which thread holds the interpreter and doing what) while
+this process's clients send it requests over loopback HTTP:
+- 128 clients, single short texts (the #15 sweep's point);
+- 8 clients, 64-text requests.
+Writes, per load, the raw samples (`<load>.txt`) and a summary (`profile.json`): requests/s, the
+share of samples per thread, and the top functions by self and by inclusive samples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.http_load import burst
+from benchmarks.server_process import free_port, running
+from benchmarks.workloads import checkpoints
+
+SHORT = json.dumps({"model": "eg2", "input": "what is the capital of france", "encoding_format": "base64"})
+DOCS = json.dumps(
+    {
+        "model": "eg2",
+        "input": [" ".join(["document", "about", "vectors", str(i)] * (5 + i % 10)) for i in range(64)],
+        "encoding_format": "base64",
+    }
+)
+LOADS = (("128 clients, short texts", SHORT, 128), ("8 clients, 64 texts", DOCS, 8))
+
+
+def summarize(raw: Path, top: int = 25) -> dict[str, Any]:
+    """py-spy's raw (collapsed) stacks -> samples per thread, and the top frames by self and inclusive
+    samples over all threads."""
+    threads: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        threads[frames[0].split(":")[-1].strip()] += n
+        own[frames[-1]] += n
+        for frame in set(frames[1:]):
+            inclusive[frame] += n
+    share = lambda c: [(k[:160], round(v / max(total, 1), 4)) for k, v in c.most_common(top)]  # noqa: E731
+    return {"samples": total, "threads": share(threads), "self": share(own), "inclusive": share(inclusive)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--size", choices=("full", "tiny"), default="full", help="tiny: a CPU smoke run")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with checkpoints(None, Path.home() / ".cache/eg2/bench", args.size, print) as (_, w4):
+        model = w4  # generated once under the cache directory: it outlives the context
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--port", str(port)]
+    cmd += ["--log-level", "warning"]
+    result: dict[str, Any] = {"command": " ".join(cmd)}
+    with running(cmd, dict(os.environ), url, ready_timeout=300) as server:
+        for name, body, clients in LOADS:
+            t0 = time.perf_counter()
+            asyncio.run(burst(url, body.encode(), 5 * clients, clients))  # warm: captures, workers
+            count = max(clients, int(5 * clients / (time.perf_counter() - t0) * args.seconds))
+            raw = args.out / (name.split(",")[0].replace(" ", "-") + ".txt")
+            record = ["record", "-p", str(server.pid), "-o", str(raw), "-f", "raw", "-r", "250"]
+            spy = subprocess.Popen(
+                [args.py_spy, *record, "-d", str(int(args.seconds)), "--gil", "--threads", "--nonblocking"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+            time.sleep(1.0)  # py-spy attaches
+            t0 = time.perf_counter()
+            asyncio.run(burst(url, body.encode(), count, clients))  # about as long as the recording
+            rate = count / (time.perf_counter() - t0)
+            spy.wait(timeout=args.seconds + 60)
+            row = summarize(raw) if raw.exists() else {"error": "py-spy wrote nothing"}
+            result[name] = {"requests_per_s": round(rate, 1), **row}
+            print(name, json.dumps(result[name])[:2000], flush=True)
+    (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
