@@ -42,15 +42,18 @@ class Packing:
         """Items of these lengths (each >= 1) end to end.
 
         `tokens` and `items` round N and S up to a bucket: tokens past sum(lengths) form the pad
-        tail, items past it are empty. `max_len` overrides the bound on an item's length (a graph
-        bakes it in: pass the bucket's `tokens`). Built on the host and copied over in one transfer.
+        tail, items past it are empty. `max_len` overrides the bound on an item's length, the
+        longest item's by default, the pad tail's included (a graph bakes it in: pass the bucket's
+        `tokens`). Built on the host and copied over in one transfer.
         """
         flat = cls.layout(lengths, tokens, items)
         n = sum(lengths) if tokens is None else tokens
-        longest = max(lengths) if max_len is None else max_len
-        if longest < max(max(lengths), n - sum(lengths)):  # the pad tail is an item too
-            raise ValueError(f"max_len {longest} is below the longest item")
-        return cls.from_layout(flat.to(device), flat.shape[0] - 1 - 2 * n, longest)
+        longest = max(max(lengths), n - sum(lengths))  # the pad tail is an item too
+        if max_len is not None and max_len < longest:
+            raise ValueError(f"max_len {max_len} is below the longest item, {longest} tokens")
+        return cls.from_layout(
+            flat.to(device), flat.shape[0] - 1 - 2 * n, longest if max_len is None else max_len
+        )
 
     @staticmethod
     def layout(lengths: Sequence[int], tokens: int | None = None, items: int | None = None) -> torch.Tensor:

@@ -209,7 +209,16 @@ def test_packing_layout() -> None:
     q = Packing.from_lengths([5, 1], tokens=8, items=5)
     p.copy_(q)
     assert p.doc_ids.tolist() == [0, 0, 0, 0, 0, 1, 2, 2] and p.cu_seqlens.tolist() == [0, 5, 6, 8, 8, 8]
-    for bad in ({"lengths": []}, {"lengths": [2, 0]}, {"lengths": [5, 5], "tokens": 8}):
+    # A pad tail longer than every item bounds the length by default (the H200's GPU test packed 64
+    # short items into whole 128-token blocks this way, and the bound raised).
+    assert Packing.from_lengths([3, 5], tokens=32).max_len == 24
+    assert Packing.from_lengths([3, 5]).max_len == 5
+    for bad in (
+        {"lengths": []},
+        {"lengths": [2, 0]},
+        {"lengths": [5, 5], "tokens": 8},
+        {"lengths": [3, 5], "tokens": 32, "max_len": 23},
+    ):
         with pytest.raises(ValueError):
             Packing.from_lengths(**bad)
     with pytest.raises(ValueError):
