@@ -80,12 +80,14 @@ class GraphPool:
     captured while that total plus what it may add fits the budget. Past it the bucket is refused,
     and batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
 
-    Estimates are models; the measurement corrects them. A capture that counted its whole estimate
-    teaches the pool how far off that kind's estimates run (`scale`: text, image and audio buckets
-    are modelled apart; applied to the later ones), and a
-    capture that left the pool over its budget is dropped again and its bucket refused (H200,
-    2026-12-02: the text-only engine's first bucket, 4,096 tokens estimated at 170 MiB, added 298
-    to a 234 MiB pool, and every later bucket was refused: one-token queries replayed 4,096 tokens).
+    A start-up capture (one with `then` smaller ones to follow) that leaves too little room for
+    their executables is dropped again (what it left behind stays counted) and its bucket refused,
+    so the next smaller one is tried: the estimates are models, and the start-up set must keep the
+    small buckets short requests take (H200, 2026-12-02: the text-only engine's first bucket, 4,096
+    tokens estimated at 170 MiB, added 298 to a 234 MiB pool and was kept, and every later bucket
+    was refused: one-token queries replayed 4,096 tokens). A capture on first use is kept as
+    measured, as before: the eager share's margin absorbs the overshoot (peaks stayed under the
+    2,000 MiB budget), and dropping those cost packed media batches their graphs.
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
@@ -94,27 +96,24 @@ class GraphPool:
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest = 0  # the largest estimate among the captures the pool holds
-        # Per kind of bucket: measured / estimated activations, from the captures that counted them whole.
-        self.scale: dict[str, float] = {}
 
-    def need(self, estimate: int, kind: str = "text") -> int:
+    def need(self, estimate: int) -> int:
         """What a capture estimated at `estimate` activation bytes may add to the pool: its executable,
         and its activations in full unless a capture at least as large already holds their blocks."""
-        scale = self.scale.get(kind, 1.0)
-        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest else int(estimate * scale))
+        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest else estimate)
 
-    def admits(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
+    def admits(self, estimate: int, then: int = 0) -> bool:
         """Whether such a capture fits the budget beside what the captures so far added, leaving
         room for the executables of `then` smaller captures to follow (a start-up set)."""
-        need = self.need(estimate, kind) + then * GRAPH_EXECUTABLE
+        need = self.need(estimate) + then * GRAPH_EXECUTABLE
         return self.budget is None or self.used + need <= self.budget
 
-    def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
+    def reserve(self, estimate: int, then: int = 0) -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
         `need` joins `used` as if measured. False: refused."""
-        if not self.admits(estimate, then, kind):
+        if not self.admits(estimate, then):
             return False
-        self._took(estimate, self.need(estimate, kind))
+        self._took(estimate, self.need(estimate))
         return True
 
     def _took(self, estimate: int, added: int) -> None:
@@ -135,7 +134,6 @@ class GraphPool:
         around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         run: bool = True,
         then: int = 0,
-        kind: str = "text",
     ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
         """`capture_graph` of `step` over the static buffers `inputs()` makes, into this pool, what it
         adds measured into `used`: (the graph, its buffers, its static output), or None when the
@@ -147,10 +145,10 @@ class GraphPool:
 
         `run` False captures nothing (the CPU, where the padded step runs eagerly in the graph's
         stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
-        None) comes back. `then`: see `admits`; `kind` names whose estimates these are."""
+        None) comes back. `then`: see `admits`."""
         if not run:
-            return (None, inputs(), None) if self.reserve(estimate, then, kind) else None
-        if not self.admits(estimate, then, kind):
+            return (None, inputs(), None) if self.reserve(estimate, then) else None
+        if not self.admits(estimate, then):
             return None
         before = self._now()
         try:
@@ -160,10 +158,8 @@ class GraphPool:
             self.used += max(0, self._now() - before)  # what the failed capture left in the pool
             return None
         added = max(0, self._now() - before)
-        if estimate > self.largest and estimate > 0:  # counted whole: how far off was the model?
-            self.scale[kind] = max(self.scale.get(kind, 1.0), (added - GRAPH_EXECUTABLE) / estimate)
-        if self.budget is not None and self.used + added > self.budget:
-            del graph, buffers, out  # over budget: drop it again (its blocks stay for later captures)
+        if then and self.budget is not None and self.used + added + then * GRAPH_EXECUTABLE > self.budget:
+            del graph, buffers, out  # no room left for the rest of the set: drop it again
             self.used += max(0, self._now() - before)
             return None
         self._took(estimate, added)

@@ -249,7 +249,7 @@ class GraphedTowers:
         )
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-        got = self.pool.capture(step, buffers, estimate, around, run=self.capture, kind=kind)
+        got = self.pool.capture(step, buffers, estimate, around, run=self.capture)
         if got is None:
             log.info("tower graph %s does not fit the graph pool's budget: smaller buckets take it", key)
             self.refused.add(key)
