@@ -86,8 +86,8 @@ class GraphPool:
     small buckets short requests take (H200, 2026-12-02: the text-only engine's first bucket, 4,096
     tokens estimated at 170 MiB, added 298 to a 234 MiB pool and was kept, and every later bucket
     was refused: one-token queries replayed 4,096 tokens). A capture on first use is kept as
-    measured, as before: the eager share's margin absorbs the overshoot (peaks stayed under the
-    2,000 MiB budget), and dropping those cost packed media batches their graphs.
+    measured: the traffic asked for it, and the eager share's margin absorbs an overshoot (the
+    process peaks stayed under the 2,000 MiB budget with every capture kept).
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
