@@ -88,7 +88,8 @@ class ScaleOptions:
       batch, so this sits well above Ray's default of 2: too low scales out before a GPU is busy.
     max_ongoing_requests: requests Ray hands one replica at once; the rest wait in Ray's proxy. Above
       the target so a replica can batch; the app's own admission limit (429) still applies inside.
-    num_cpus: CPU cores reserved per replica (preprocessing threads run on them).
+    num_cpus: CPU cores reserved per replica (preprocessing threads run on them; a GPU replica
+      prepares media on this many processes unless preprocess_processes is set).
     num_gpus: GPUs per replica; None: 1 when the cluster has GPUs and the device is not `cpu`, else 0.
     ingress: what receives HTTP on settings.port (see INGRESSES).
     """
@@ -136,14 +137,19 @@ def gpus_per_replica(settings: Settings, options: ScaleOptions, cluster_gpus: fl
     return 1.0  # cuda or cuda:N: a replica must own a GPU
 
 
-def replica_settings(settings: Settings, num_gpus: float) -> Settings:
+def replica_settings(settings: Settings, num_gpus: float, num_cpus: float = 1.0) -> Settings:
     """The settings a replica runs with: its device is the GPU Ray gave it, or the CPU.
 
     Ray sets CUDA_VISIBLE_DEVICES per replica, so inside one the GPU is always `cuda` (a `cuda:3`
     from the command line names a device the replica cannot see); without a GPU, `auto` must not
-    grab one that belongs to another replica.
+    grab one that belongs to another replica. Unless the operator set it, a GPU replica prepares
+    media on as many processes as the cores Ray reserved for it (at least one): the default counts
+    the host's cores, which several replicas share.
     """
-    return settings.model_copy(update={"device": "cuda" if num_gpus > 0 else "cpu"})
+    update: dict[str, Any] = {"device": "cuda" if num_gpus > 0 else "cpu"}
+    if settings.preprocess_processes is None and num_gpus > 0:
+        update["preprocess_processes"] = max(1, int(num_cpus))
+    return settings.model_copy(update=update)
 
 
 def deployment_options(settings: Settings, options: ScaleOptions, num_gpus: float) -> dict[str, Any]:
@@ -371,7 +377,7 @@ def build_application(settings: Settings, options: ScaleOptions, num_gpus: float
     # serve.deployment's overloads do not cover (class, **options); the options are checked by Ray.
     make_deployment: Any = serve.deployment
     deployment = make_deployment(_replica_class(), **deployment_options(settings, options, num_gpus))
-    return deployment.bind(replica_settings(settings, num_gpus))
+    return deployment.bind(replica_settings(settings, num_gpus, options.num_cpus))
 
 
 def init_ray(address: str | None = None, ingress: str = "proxy", **kwargs: Any) -> None:

@@ -69,6 +69,11 @@ def test_one_gpu_per_replica_on_gpu_clusters_none_on_cpu() -> None:
     # Inside a replica Ray exposes only its GPU, as `cuda`; a CPU replica must not grab one.
     assert replica_settings(cuda, 1.0).device == "cuda"
     assert replica_settings(auto, 0.0).device == "cpu"
+    # Media-preparing processes: the cores Ray reserved for the replica, unless the operator chose.
+    assert replica_settings(cuda, 1.0, num_cpus=4).preprocess_processes == 4
+    assert replica_settings(cuda, 1.0, num_cpus=0.5).preprocess_processes == 1
+    assert replica_settings(Settings(device="cuda", preprocess_processes=0), 1.0, 4).preprocess_processes == 0
+    assert replica_settings(auto, 0.0, num_cpus=4).preprocess_processes is None
 
 
 def test_deployment_options_fixed_and_autoscaling() -> None:
