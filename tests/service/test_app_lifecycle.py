@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from app.service import StartupError, State, ensure_demo_model
+from app.settings import Settings
 from tests.support.fake_engine import (
     STALL_HERE,
     FakeEngine,
@@ -312,7 +313,9 @@ def test_sigterm_while_the_engine_loads_exits_0(spawn: Any) -> None:
     assert p.proc.wait(timeout=30) == 0
 
 
-@pytest.mark.parametrize(("setting", "expected"), [(None, 0.5), ("2", 2.0)])
+@pytest.mark.parametrize(
+    ("setting", "expected"), [(None, Settings.model_fields["gil_switch_interval_ms"].default), ("2", 2.0)]
+)
 def test_the_served_process_hands_the_gil_over_at_its_setting(
     spawn: Any, setting: str | None, expected: float
 ) -> None:
