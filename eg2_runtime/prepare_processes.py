@@ -129,6 +129,9 @@ class PrepareProcesses:
         for p in processes:
             if p.is_alive():
                 p.kill()  # they ignore SIGTERM (_init)
+        for p in processes:
+            p.join(timeout=5)
+        _sweep()  # what a killed worker was writing
 
     # ---- the job's runs ---------------------------------------------------------------------------
 
@@ -149,8 +152,11 @@ class PrepareProcesses:
         task.add_done_callback(lambda t: self._done(pool, job, t))
 
     def _done(self, pool: ProcessPoolExecutor, job: PrepareJob, task: Future[Any]) -> None:
-        """On the pool's result thread: unpickle the items here, not on the caller's event loop."""
+        """On the pool's result thread: unpickle the items here, not on the caller's event loop. A job
+        cancelled while its worker ran still has its file in /dev/shm: removed unread."""
         if job.future.done():
+            if not task.cancelled() and task.exception() is None:
+                _discard(task.result()[1])
             return
         if task.cancelled():
             job.future.cancel()
@@ -175,6 +181,7 @@ class PrepareProcesses:
             if self._pool is pool and not self._closed:
                 log.error("a preparing process died; starting the pool again")
                 pool.shutdown(wait=False, cancel_futures=True)
+                _sweep(dead_only=True)  # what the dead worker was writing
                 self._pool = self._new_pool()
                 self.restarts += 1
         if job.runs >= RUNS or self._closed:
@@ -353,6 +360,21 @@ def _ship(obj: Any) -> Shipped:
         path.unlink(missing_ok=True)
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), None, []
     return head.getvalue(), str(path), [v.nbytes for v in views]
+
+
+def _discard(shipped: Shipped) -> None:
+    if shipped[1] is not None:
+        Path(shipped[1]).unlink(missing_ok=True)
+
+
+def _sweep(dead_only: bool = False) -> None:
+    """Remove this process's workers' files from /dev/shm: all of them, or those of workers no longer
+    alive (a worker killed while writing leaves its file behind)."""
+    for path in SHM_DIR.glob(f"eg2-prep-{os.getpid()}-*"):
+        worker = int(path.name.split("-")[3])
+        if dead_only and Path(f"/proc/{worker}").exists():
+            continue
+        path.unlink(missing_ok=True)
 
 
 def _receive(head: bytes, path: str | None, sizes: list[int]) -> Any:

@@ -177,3 +177,26 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_no_file_is_left_in_dev_shm(engine: Engine) -> None:
+    """A job cancelled after its worker wrote its file: the file is removed unread. close() removes
+    what a killed worker was writing."""
+    from concurrent.futures import Future
+
+    p = engine.prepare_processes(1)
+    try:
+        item = engine.prepare_many([IMAGE], PrepareOptions())[0]
+        shipped = prepare_processes._ship([item])
+        assert shipped[1] is not None and Path(shipped[1]).exists()
+        job = prepare_processes.PrepareJob(p, [IMAGE], PrepareOptions(), None)
+        job.future.cancel()
+        task: Future[object] = Future()
+        task.set_result((0.01, shipped))
+        p._done(p._pool, job, task)
+        assert not Path(shipped[1]).exists()
+        stray = prepare_processes.SHM_DIR / f"eg2-prep-{os.getpid()}-999999-0"
+        stray.write_bytes(b"half written")
+    finally:
+        p.close()
+    assert not stray.exists()
