@@ -188,15 +188,16 @@ class Service:
         return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
 
     def prepare_processes(self) -> int:
-        """Media-preparing processes: the setting, else on a GPU one per two of the cores this process
-        may run on (at most 8), and none on a CPU (the model's forward wants those cores) or a
-        text-only engine."""
+        """Media-preparing processes: none for a text-only engine (they would never get a job); else
+        the setting, else on a GPU one per two of the cores this process may run on (at most 8), and
+        none on a CPU (the model's forward wants those cores)."""
+        assert self._engine is not None
+        if not self._engine.modalities - {"text"}:
+            return 0
         if self.settings.preprocess_processes is not None:
             return self.settings.preprocess_processes
-        assert self._engine is not None
         on_gpu = "gpu_budget_bytes" in self._engine.memory()
-        media = self._engine.modalities - {"text"}
-        return max(1, min(8, len(os.sched_getaffinity(0)) // 2)) if on_gpu and media else 0
+        return max(1, min(8, len(os.sched_getaffinity(0)) // 2)) if on_gpu else 0
 
     def prepared_media_tokens(self) -> int:
         """The media budget: the setting, else two batches' worth of tokens."""

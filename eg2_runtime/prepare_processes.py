@@ -17,9 +17,11 @@ Cancelling: a job has a slot in a shared array of flags; `PrepareJob.cancel()` s
 worker's decoders stop within a frame or an audio block, as a thread's cancel flag stops them. A job
 not yet started is dropped.
 
-A worker that dies (a decoder crash, the kernel's OOM killer) breaks the pool: the pool is started
-again, and every job that was in it runs once more on the new one. A job whose second run breaks
-the pool too fails with EngineError; the server keeps serving.
+A worker that dies (a decoder crash, the kernel's OOM killer) breaks the pool: its other workers are
+killed, the pool is started again, and every job that was in it runs again on the new one. Only a
+job that was running when a worker died counts the run: one running at both of two deaths fails
+alone, as undecodable media (400), and jobs that were only queued are not lost with it. A worker
+whose server died exits within a second.
 """
 
 from __future__ import annotations
@@ -40,25 +42,27 @@ from typing import Any
 
 from eg2_runtime.api import PreparedItem
 from eg2_runtime.config import ModelConfig
-from eg2_runtime.errors import EG2Error, EngineError
+from eg2_runtime.errors import EG2Error, EngineError, MediaDecodeError
 from eg2_runtime.inputs import Item, MediaKind, MediaLimits, PrepareOptions
 
 log = logging.getLogger(__name__)
 
 SLOTS = 4096  # cancel flags: jobs in flight past this many run without one (admission bounds them far lower)
-RUNS = 2  # a job runs at most this many times when workers die under it
+RUNS = 2  # a job fails once workers died this many times while it ran
 
 
 class PrepareJob:
     """One submitted job: `future` gives its PreparedItems (or errors, each in its item's slot), and
-    `seconds` how long the worker took."""
+    `seconds` how long the worker took. `slot`: its cancel and started flags, held until its worker is
+    done with them (`released`)."""
 
     def __init__(
         self, owner: PrepareProcesses, items: Sequence[Item], options: PrepareOptions, slot: int | None
     ):
         self.future: Future[list[PreparedItem | EG2Error]] = Future()
         self.seconds = 0.0
-        self.runs = 0
+        self.runs = 0  # worker deaths while it ran (a run that only queued does not count)
+        self.released = False
         self._owner, self._items, self._options, self.slot = owner, list(items), options, slot
 
     def cancel(self) -> None:
@@ -82,10 +86,14 @@ class PrepareProcesses:
         self.n = n
         # spawn, not fork: the serving process has a CUDA context and threads, which a fork would copy.
         self._ctx = multiprocessing.get_context("spawn")
-        self._flags = self._ctx.RawArray(ctypes.c_bool, SLOTS)
+        self._flags = self._ctx.RawArray(ctypes.c_bool, SLOTS)  # set: stop that job
+        self._started = self._ctx.RawArray(ctypes.c_bool, SLOTS)  # set by the worker that runs it
         self._free = list(range(SLOTS))
         self._lock = threading.Lock()
-        self._initargs = (model_dir, config, limits, list(modalities), self._flags)
+        # Names this server's files in /dev/shm: a process id alone may repeat across containers
+        # that share it.
+        self.token = os.urandom(6).hex()
+        self._initargs = (model_dir, config, limits, list(modalities), self._flags, self._started, self.token)
         self._pool = self._new_pool()
         self._closed = False
         self.restarts = 0
@@ -98,9 +106,15 @@ class PrepareProcesses:
         """Start every worker now and wait until each has built its preprocessor (the boot calls this
         before the server turns ready: a worker imports torch, seconds)."""
         deadline, seen = time.monotonic() + timeout_s, set[int]()
-        while len(seen) < self.n:  # a fast worker may take two of a round's tasks: go again
-            tasks = [self._pool.submit(_ready, 0.05) for _ in range(self.n)]
-            seen |= {t.result(timeout=max(0.0, deadline - time.monotonic())) for t in tasks}
+        try:
+            while len(seen) < self.n:  # a fast worker may take two of a round's tasks: go again
+                tasks = [self._pool.submit(_ready, 0.05) for _ in range(self.n)]
+                seen |= {t.result(timeout=max(0.0, deadline - time.monotonic())) for t in tasks}
+        except BrokenProcessPool as e:
+            raise EngineError(
+                "the media-preparing processes failed to start (their error is in the log above); "
+                "set preprocess_processes=0 to prepare media on threads instead"
+            ) from e
 
     def pids(self) -> list[int]:
         """The live workers' process ids (tests, and what an operator sees in ps)."""
@@ -110,7 +124,7 @@ class PrepareProcesses:
         with self._lock:
             slot = self._free.pop() if self._free else None
         if slot is not None:
-            self._flags[slot] = False
+            self._flags[slot] = self._started[slot] = False
         job = PrepareJob(self, items, options, slot)
         with self._lock:
             self.in_flight += 1
@@ -119,26 +133,20 @@ class PrepareProcesses:
         return job
 
     def close(self) -> None:
-        """Stop the workers: queued jobs are cancelled, running ones are killed."""
-        self._closed = True
-        pool = self._pool
-        processes = list(
-            getattr(pool, "_processes", {}).values()
-        )  # private, until Python 3.14's terminate_workers
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in processes:
-            if p.is_alive():
-                p.kill()  # they ignore SIGTERM (_init)
-        for p in processes:
-            p.join(timeout=5)
-        _sweep()  # what a killed worker was writing
+        """Stop the workers: queued jobs are cancelled, running ones are killed. Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool = self._pool
+        _stop(pool)
+        _sweep(self.token)  # what a killed worker was writing
 
     # ---- the job's runs ---------------------------------------------------------------------------
 
     def _run(self, job: PrepareJob) -> None:
         if job.future.done():  # cancelled meanwhile
             return
-        job.runs += 1
+        if job.slot is not None:
+            self._started[job.slot] = False
         pool = self._pool
         try:
             task = pool.submit(_prepare, job._items, job._options, job.slot)
@@ -176,28 +184,37 @@ class PrepareProcesses:
             _settle(job.future, None, EngineError(f"a preparing process returned an unreadable result ({e})"))
 
     def _broken(self, pool: ProcessPoolExecutor, job: PrepareJob) -> None:
-        """A worker of `pool` died: start a new pool (once per broken pool), run the job again there."""
+        """A worker of `pool` died: stop its other workers and start a new pool (once per broken pool),
+        then run the job again there, unless it was running at this death and the one before."""
         with self._lock:
-            if self._pool is pool and not self._closed:
+            restart = self._pool is pool and not self._closed
+            if restart:
                 log.error("a preparing process died; starting the pool again")
-                pool.shutdown(wait=False, cancel_futures=True)
-                _sweep(dead_only=True)  # what the dead worker was writing
                 self._pool = self._new_pool()
                 self.restarts += 1
-        if job.runs >= RUNS or self._closed:
+        if restart:
+            _stop(pool)  # its survivors would finish jobs that run again on the new pool
+            _sweep(self.token, dead_only=True)
+        if job.slot is None or self._started[job.slot]:
+            job.runs += 1  # it was running (or there is no telling): this death counts against it
+        if self._closed:
+            _settle(job.future, None, EngineError("the preparing processes are stopped"))
+            return
+        if job.runs >= RUNS:
             _settle(
                 job.future,
                 None,
-                EngineError(
-                    "a preparing process died while preparing this request's media (twice); not retried"
+                MediaDecodeError(
+                    "could not prepare this media: a preparing process died on it twice", param="input"
                 ),
             )
             return
         self._run(job)
 
     def _cancel(self, job: PrepareJob) -> None:
-        if job.slot is not None:
-            self._flags[job.slot] = True
+        with self._lock:  # the flag only while the slot is still this job's
+            if job.slot is not None and not job.released:
+                self._flags[job.slot] = True
         task = getattr(job, "_task", None)
         if task is not None:
             task.cancel()  # only a task not yet handed to a worker
@@ -214,6 +231,7 @@ class PrepareProcesses:
 
         def free(_: object = None) -> None:
             with self._lock:
+                job.released = True
                 self._free.append(job.slot)  # type: ignore[arg-type]
 
         if task is None or task.done():
@@ -248,12 +266,18 @@ class _SharedFlag(threading.Event):
 
 
 def _init(
-    model_dir: Path, config: ModelConfig, limits: MediaLimits | None, modalities: list[MediaKind], flags: Any
+    model_dir: Path,
+    config: ModelConfig,
+    limits: MediaLimits | None,
+    modalities: list[MediaKind],
+    flags: Any,
+    started: Any,
+    token: str,
 ) -> None:
-    # Ctrl-C, or a SIGTERM sent to the whole group, is the server's to act on: it drains, then stops
-    # these workers itself (close).
+    # Ctrl-C reaches the whole process group: the server's to act on (it drains, then stops these
+    # workers). SIGTERM is not ignored: the pool stops a broken pool's survivors with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _watch_parent(os.getppid())
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a worker holds no GPU memory, whatever it imports
     import torch
 
@@ -263,8 +287,20 @@ def _init(
     torch.set_num_threads(1)
     single_threaded_numpy_blas()
     pre = Preprocessor.from_dir(model_dir, config, limits=limits, modalities=modalities)
-    _STATE["pre"], _STATE["flags"] = pre, flags
+    _STATE.update(pre=pre, flags=flags, started=started, token=token)
     _warm(pre, modalities)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit once the serving process is gone (killed: no close() ran), checked every second from a
+    daemon thread; a worker is not left running on its own."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="eg2-parent-watch", daemon=True).start()
 
 
 def _warm(pre: Any, modalities: list[MediaKind]) -> None:
@@ -298,7 +334,10 @@ def _prepare(items: list[Item], options: PrepareOptions, slot: int | None) -> tu
     from eg2_runtime.engine import wrap_prepared
 
     start = time.monotonic()
-    cancel = _SharedFlag(_STATE["flags"], slot) if slot is not None else None
+    cancel = None
+    if slot is not None:
+        _STATE["started"][slot] = True  # a worker dying from here on counts against this job
+        cancel = _SharedFlag(_STATE["flags"], slot)
     out = _STATE["pre"].prepare_batch(items, options, executor=None, cancel=cancel)
     prepared = [p if isinstance(p, EG2Error) else wrap_prepared(p) for p in out]
     return time.monotonic() - start, _ship(prepared)
@@ -347,7 +386,7 @@ def _ship(obj: Any) -> Shipped:
     if not buffers:
         return head.getvalue(), None, []
     views = [b.raw() for b in buffers]
-    path = SHM_DIR / f"eg2-prep-{os.getppid()}-{os.getpid()}-{next(_SEQ)}"
+    path = SHM_DIR / f"eg2-prep-{_STATE.get('token', 'x')}-{os.getpid()}-{next(_SEQ)}"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -367,14 +406,31 @@ def _discard(shipped: Shipped) -> None:
         Path(shipped[1]).unlink(missing_ok=True)
 
 
-def _sweep(dead_only: bool = False) -> None:
-    """Remove this process's workers' files from /dev/shm: all of them, or those of workers no longer
-    alive (a worker killed while writing leaves its file behind)."""
-    for path in SHM_DIR.glob(f"eg2-prep-{os.getpid()}-*"):
-        worker = int(path.name.split("-")[3])
-        if dead_only and Path(f"/proc/{worker}").exists():
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Shut `pool` down and kill its workers, running or not (a survivor of a broken pool may be
+    blocked writing a result nobody reads)."""
+    processes = list(
+        (getattr(pool, "_processes", None) or {}).values()
+    )  # private, until 3.14's terminate_workers
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join(timeout=5)
+
+
+def _sweep(token: str, dead_only: bool = False) -> None:
+    """Remove this server's workers' files from /dev/shm: all of them, or those of workers no longer
+    alive (a worker killed while writing leaves its file behind). Best effort."""
+    for path in SHM_DIR.glob(f"eg2-prep-{token}-*"):
+        try:
+            worker = int(path.name.split("-")[3])
+            if dead_only and Path(f"/proc/{worker}").exists():
+                continue
+            path.unlink(missing_ok=True)
+        except (OSError, ValueError):
             continue
-        path.unlink(missing_ok=True)
 
 
 def _receive(head: bytes, path: str | None, sizes: list[int]) -> Any:

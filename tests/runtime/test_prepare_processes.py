@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,35 +113,97 @@ def test_a_worker_that_dies_is_replaced_and_its_job_runs_again(engine: Engine, l
         time.sleep(long_s / 4)
         os.kill(pid, signal.SIGKILL)
         (got,) = job.future.result(timeout=120)
-        assert isinstance(got, PreparedItem) and job.runs == 2 and p.restarts == 1
+        assert isinstance(got, PreparedItem) and job.runs == 1 and p.restarts == 1
         assert p.pids() and p.pids() != [pid]
         assert isinstance(p.submit([IMAGE], PrepareOptions()).future.result(timeout=60)[0], PreparedItem)
     finally:
         p.close()
 
 
-def test_a_job_whose_second_run_dies_too_fails_alone(engine: Engine, long_s: float) -> None:
+def test_a_job_running_at_two_deaths_fails_alone_as_bad_media(engine: Engine, long_s: float) -> None:
+    """The job a worker died on twice fails with a 400-class error; a job queued behind it on the same
+    worker through both deaths was never started, and still gets its items."""
     p = engine.prepare_processes(1)
     try:
         p.start()
-        job = p.submit([LONG_VIDEO], PrepareOptions())
-        for _ in range(2):
+        bad = p.submit([LONG_VIDEO], PrepareOptions())
+        queued = p.submit([IMAGE], PrepareOptions())
+        assert bad.slot is not None
+        for death in range(2):
             deadline = time.monotonic() + 60
-            while not p.pids() or job.runs == 0:
+            while not (p._started[bad.slot] and p.pids()):  # running on a worker of the current pool
                 assert time.monotonic() < deadline
-                time.sleep(0.05)
-            runs = job.runs
+                time.sleep(0.01)
             time.sleep(long_s / 4)
             os.kill(p.pids()[0], signal.SIGKILL)
             deadline = time.monotonic() + 60
-            while job.runs == runs and not job.future.done():
+            while bad.runs == death and not bad.future.done():
                 assert time.monotonic() < deadline
-                time.sleep(0.05)
-        with pytest.raises(EngineError, match="died"):
-            job.future.result(timeout=60)
-        assert isinstance(p.submit([IMAGE], PrepareOptions()).future.result(timeout=60)[0], PreparedItem)
+                time.sleep(0.01)
+        with pytest.raises(MediaDecodeError, match="died on it twice"):
+            bad.future.result(timeout=60)
+        assert isinstance(queued.future.result(timeout=60)[0], PreparedItem)
+        assert p.restarts == 2
     finally:
         p.close()
+
+
+def test_a_late_cancel_does_not_reach_the_next_job_on_its_slot(procs: PrepareProcesses) -> None:
+    done = procs.submit([IMAGE], PrepareOptions())
+    done.future.result(timeout=60)
+    deadline = time.monotonic() + 10
+    while not done.released:  # its slot goes back once its worker has left it
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    after = procs.submit([LONG_VIDEO], PrepareOptions())
+    assert after.slot == done.slot  # the slot is reused at once
+    done.cancel()  # a client that left after its answer was sent
+    assert isinstance(after.future.result(timeout=120)[0], PreparedItem)
+
+
+def test_workers_that_cannot_start_say_so(tmp_path: Path, engine: Engine) -> None:
+    pre = engine.preprocessor
+    p = PrepareProcesses(1, tmp_path, pre.config, pre.limits, sorted(pre.modalities))  # no tokenizer here
+    try:
+        with pytest.raises(EngineError, match="failed to start"):
+            p.start(timeout_s=120)
+    finally:
+        p.close()
+
+
+def test_a_worker_exits_when_its_server_is_killed(tmp_path: Path, tiny_bf16: Path) -> None:
+    """SIGKILL of the serving process (no close() runs): its workers leave within seconds."""
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import sys, time\n"
+        "from eg2_runtime.engine import Engine\n"
+        "if __name__ == '__main__':\n"
+        f"    p = Engine.from_dir({str(tiny_bf16)!r}, device='cpu').prepare_processes(1)\n"
+        "    p.start()\n"
+        "    print(p.pids()[0], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    server = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    try:
+        assert server.stdout is not None
+        worker = int(server.stdout.readline())
+        server.kill()
+        server.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while _alive(worker):
+            assert time.monotonic() < deadline, "the worker outlived its server"
+            time.sleep(0.1)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+        if server.stdout is not None:
+            server.stdout.close()
 
 
 def test_close_stops_the_workers(engine: Engine) -> None:
@@ -195,7 +259,7 @@ def test_no_file_is_left_in_dev_shm(engine: Engine) -> None:
         task.set_result((0.01, shipped))
         p._done(p._pool, job, task)
         assert not Path(shipped[1]).exists()
-        stray = prepare_processes.SHM_DIR / f"eg2-prep-{os.getpid()}-999999-0"
+        stray = prepare_processes.SHM_DIR / f"eg2-prep-{p.token}-999999-0"
         stray.write_bytes(b"half written")
     finally:
         p.close()

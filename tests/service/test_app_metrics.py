@@ -8,6 +8,7 @@ import resource
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -182,3 +183,21 @@ def test_gpu_memory_gauges_carry_the_engines_report() -> None:
         samples = scrape(s.url)
     for kind, mib in (("process", 1500), ("budget", 2000), ("allocated", 900), ("reserved", 1100)):
         assert value(samples, "eg2_gpu_memory_bytes", kind=kind) == mib << 20, (kind, samples)
+
+
+def test_media_preparing_processes_where_there_are_media_to_prepare() -> None:
+    """Service.prepare_processes: none for a text-only engine, whatever the setting; the setting
+    otherwise; unset, one per two usable cores (at most 8) on a GPU and none on a CPU."""
+    from app.metrics import Metrics
+    from app.service import Service
+
+    def count(engine: FakeEngine, **settings: Any) -> int:
+        service = Service(make_settings(**settings), Metrics(), engine=engine)
+        service._engine = engine
+        return service.prepare_processes()
+
+    cores = len(os.sched_getaffinity(0))
+    assert count(GpuReportingEngine(modalities=("text",)), preprocess_processes=4) == 0
+    assert count(GpuReportingEngine(), preprocess_processes=3) == 3
+    assert count(GpuReportingEngine(), preprocess_processes=None) == max(1, min(8, cores // 2))
+    assert count(FakeEngine(), preprocess_processes=None) == 0
