@@ -153,8 +153,8 @@ class PrepareProcesses:
         except BrokenProcessPool:
             self._broken(pool, job)
             return
-        except RuntimeError as e:  # shut down
-            job.future.set_exception(EngineError(f"the preparing processes are stopped ({e})"))
+        except Exception as e:  # shut down, or a worker that could not be spawned: fail, never hang
+            _settle(job.future, None, EngineError(f"the preparing processes cannot take work ({e})"))
             return
         job._task = task  # type: ignore[attr-defined]
         task.add_done_callback(lambda t: self._done(pool, job, t))
