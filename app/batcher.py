@@ -430,9 +430,8 @@ class Batcher:
                 f"warm-up ran out of memory on a full batch: lower max_batch_tokens or max_batch_items, or "
                 f"raise gpu_memory_mib ({exc.message})"
             ) from exc
-        finally:
-            if procs is not None:
-                await procs
+        if procs is not None:  # only after a warm-up that worked: its error is the one to report
+            await procs
         self._modality_tokens = {m: min(v, self.max_batch_tokens) for m, v in limits.items()}
         log.info(
             "warm-up done",

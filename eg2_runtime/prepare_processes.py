@@ -118,7 +118,8 @@ class PrepareProcesses:
 
     def pids(self) -> list[int]:
         """The live workers' process ids (tests, and what an operator sees in ps)."""
-        return [p.pid for p in list(getattr(self._pool, "_processes", {}).values()) if p.pid is not None]
+        processes = getattr(self._pool, "_processes", None) or {}  # None once the pool is shut down
+        return [p.pid for p in list(processes.values()) if p.pid is not None]
 
     def submit(self, items: Sequence[Item], options: PrepareOptions) -> PrepareJob:
         with self._lock:
