@@ -139,6 +139,22 @@ def load_engine(settings: Settings) -> EngineAPI:
     return engine
 
 
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its CPU affinity, capped by its cgroup's CPU quota where one
+    is set (a container given `--cpus 4` on a 64-core host sees 64 cores in its affinity)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    try:
+        return max(1, min(cores, int(quota) // max(1, int(period))))
+    except ValueError:
+        return cores
+
+
 GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
 GPU_MEMORY_KINDS = {
     "process": "process_gpu_bytes",
@@ -197,7 +213,7 @@ class Service:
         if self.settings.preprocess_processes is not None:
             return self.settings.preprocess_processes
         on_gpu = "gpu_budget_bytes" in self._engine.memory()
-        return max(1, min(8, len(os.sched_getaffinity(0)) // 2)) if on_gpu else 0
+        return max(1, min(8, usable_cores() // 2)) if on_gpu else 0
 
     def prepared_media_tokens(self) -> int:
         """The media budget: the setting, else two batches' worth of tokens."""

@@ -174,7 +174,8 @@ class Settings(BaseSettings):
         ge=0,
         description="Worker processes that decode and preprocess media items (images, audio, video), each "
         "with a GIL of its own, so decoding does not wait on the event loop and the GPU thread. Unset: on a "
-        "GPU, one per two cores, at most 8; on a CPU, none. 0: media are prepared on the preprocessing "
+        "GPU, one per two of the cores the process may use (its CPU affinity, capped by a container's CPU quota), "
+        "at most 8; on a CPU, or with text alone, none. 0: media are prepared on the preprocessing "
         "threads, as text always is. Each process holds a tokenizer and torch's CPU runtime (host memory, "
         "measured in docs/PERF.md; no GPU memory) and hands its items back through /dev/shm (give a container "
         "`--shm-size 1g`; where it is full they go through a pipe, slower). Fewer: less host memory, "

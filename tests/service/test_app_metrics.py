@@ -196,8 +196,24 @@ def test_media_preparing_processes_where_there_are_media_to_prepare() -> None:
         service._engine = engine
         return service.prepare_processes()
 
-    cores = len(os.sched_getaffinity(0))
+    from app.service import usable_cores
+
+    cores = usable_cores()
     assert count(GpuReportingEngine(modalities=("text",)), preprocess_processes=4) == 0
     assert count(GpuReportingEngine(), preprocess_processes=3) == 3
     assert count(GpuReportingEngine(), preprocess_processes=None) == max(1, min(8, cores // 2))
     assert count(FakeEngine(), preprocess_processes=None) == 0
+
+
+def test_usable_cores_read_the_cgroup_quota(tmp_path: Path) -> None:
+    """A container's CPU quota caps the cores the default process count is sized from."""
+    from app.service import usable_cores
+
+    affinity = len(os.sched_getaffinity(0))
+    quota = tmp_path / "cpu.max"
+    for text, want in (("max 100000", affinity), ("150000 100000", min(affinity, 1)), ("", affinity)):
+        quota.write_text(text)
+        assert usable_cores(quota) == want, text
+    quota.write_text("400000 100000")
+    assert usable_cores(quota) == min(affinity, 4)
+    assert usable_cores(tmp_path / "missing") == affinity
