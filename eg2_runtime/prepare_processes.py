@@ -6,8 +6,9 @@ host one 641x479 PNG took 7.7 ms to prepare alone in a process and 12.5-17.9 ms 
 process (docs/PERF.md). A worker process prepares it with a GIL of its own.
 
     submit(items, options) ──► a job: one ProcessPoolExecutor task on a spawned worker
-        worker: Preprocessor.prepare_batch(items) -> PreparedItems, pickled once (tensors as bytes)
-        └─► the pool's result thread unpickles them into the job's future (off the event loop)
+        worker: Preprocessor.prepare_batch(items) -> PreparedItems, pickled once: the tensors'
+                bytes out of band into one file in /dev/shm, the rest through the pool's pipe
+        └─► the pool's result thread reads and unpickles them into the job's future (off the event loop)
 
 Each worker builds its own Preprocessor from the model directory (tokenizer, processor config),
 imports torch but never touches the GPU, and runs torch and BLAS on one thread: the workers already
@@ -19,9 +20,9 @@ not yet started is dropped.
 
 A worker that dies (a decoder crash, the kernel's OOM killer) breaks the pool: its other workers are
 killed, the pool is started again, and every job that was in it runs again on the new one. Only a
-job that was running when a worker died counts the run: one running at both of two deaths fails
-alone, as undecodable media (400), and jobs that were only queued are not lost with it. A worker
-whose server died exits within a second.
+job that was running when a worker died counts the death: one running at both of two deaths fails
+alone, as undecodable media (MediaDecodeError), and jobs that were only queued are not lost with it.
+A worker whose server died exits within a second.
 """
 
 from __future__ import annotations
