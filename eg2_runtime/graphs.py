@@ -240,6 +240,24 @@ class TextGraphs(Generic[K]):
         """The tokens bucket `key` holds."""
         raise NotImplementedError
 
+    def admissible(self, key: K) -> bool:
+        """Whether `key` is a bucket this instance would use (within its bounds)."""
+        raise NotImplementedError
+
+    def _capture(self, key: K, then: int = 0) -> Captured | None:
+        """Bucket `key`'s graph, captured now (`_take` with the class's step and buffers)."""
+        raise NotImplementedError
+
+    def capture_buckets(self, keys: Iterable[K], then: int = 0) -> int:
+        """Capture these buckets now (service boot) rather than on first use, those within the
+        bounds, largest first (see GraphPool), each leaving room for the executables of the ones
+        after it and `then` more. Returns how many graphs there are."""
+        todo = [k for k in sorted(keys, key=lambda k: -self.tokens(k)) if self.admissible(k)]
+        for i, key in enumerate(todo):
+            if key not in self.graphs and key not in self.refused:
+                self._capture(key, then=len(todo) - 1 - i + then)
+        return len(self.graphs)
+
     def _take(
         self, key: K, step: Callable[..., Any], inputs: Callable[[], Sequence[torch.Tensor]], then: int = 0
     ) -> Captured | None:
@@ -353,15 +371,8 @@ class GraphedTextEncoder(TextGraphs[tuple[int, int]]):
         assert captured.out is not None
         return captured.out[:b].clone()  # the static output is overwritten by the next replay
 
-    def capture_buckets(self, keys: Iterable[tuple[int, int]], then: int = 0) -> int:
-        """Capture these buckets now (service boot) rather than on first use, those within the
-        bounds, largest first (see GraphPool), each leaving room for the executables of the ones
-        after it and `then` more. Returns how many graphs there are."""
-        todo = [k for k in sorted(keys, key=lambda k: -k[0] * k[1]) if self.bucket(*k) == k]
-        for i, key in enumerate(todo):
-            if key not in self.graphs and key not in self.refused:
-                self._capture(key, then=len(todo) - 1 - i + then)
-        return len(self.graphs)
+    def admissible(self, key: tuple[int, int]) -> bool:
+        return self.bucket(*key) == key
 
     def _inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         bb, tb = key

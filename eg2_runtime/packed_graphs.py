@@ -21,7 +21,7 @@ and one set of static buffers; replays never overlap, and each result is copied 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 
 import torch
@@ -170,15 +170,8 @@ class PackedTextGraphs(TextGraphs[int]):
         assert captured.out is not None
         return captured.out[: len(lengths)].clone()  # the static output is overwritten next replay
 
-    def capture_buckets(self, rungs: Iterable[int], then: int = 0) -> int:
-        """Capture these buckets now (service boot), largest first (see GraphPool), each leaving
-        room for the executables of the ones after it and `then` more. Returns how many graphs
-        there are."""
-        todo = sorted((n for n in rungs if n <= self.max_tokens), reverse=True)
-        for i, n in enumerate(todo):
-            if n not in self.graphs and n not in self.refused:
-                self._capture(n, then=len(todo) - 1 - i + then)
-        return len(self.graphs)
+    def admissible(self, key: int) -> bool:
+        return key <= self.max_tokens
 
     def _capture(self, n: int, then: int = 0) -> Captured | None:
         """Bucket n's graph, captured now (TextGraphs._take)."""
