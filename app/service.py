@@ -200,8 +200,11 @@ class Service:
         engine's memory plan sets tighter limits per modality, Batcher.warmup)."""
         if self.settings.max_batch_tokens is not None:
             return self.settings.max_batch_tokens
-        on_gpu = self._engine is not None and "gpu_budget_bytes" in self._engine.memory()
-        return GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS
+        return GPU_BATCH_TOKENS if self._on_gpu() else CPU_BATCH_TOKENS
+
+    def _on_gpu(self) -> bool:
+        """Whether the loaded engine runs on a GPU (its memory report has a budget only there)."""
+        return self._engine is not None and "gpu_budget_bytes" in self._engine.memory()
 
     def prepare_processes(self) -> int:
         """Media-preparing processes: none for a text-only engine (they would never get a job); else
@@ -212,8 +215,7 @@ class Service:
             return 0
         if self.settings.preprocess_processes is not None:
             return self.settings.preprocess_processes
-        on_gpu = "gpu_budget_bytes" in self._engine.memory()
-        return max(1, min(8, usable_cores() // 2)) if on_gpu else 0
+        return max(1, min(8, usable_cores() // 2)) if self._on_gpu() else 0
 
     def prepared_media_tokens(self) -> int:
         """The media budget: the setting, else two batches' worth of tokens."""

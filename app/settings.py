@@ -489,7 +489,7 @@ def describe_default(field: str) -> str:
     if field == "preprocess_workers":
         return "cores, at most 8"
     if field == "preprocess_processes":
-        return "GPU: cores / 2, at most 8; CPU: 0"
+        return "GPU: usable cores / 2, at most 8; CPU or text only: 0"
     if field == "cache_dir":
         return "~/.cache/eg2"
     value = info.get_default(call_default_factory=True)

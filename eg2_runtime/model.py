@@ -163,8 +163,8 @@ def _placeholders(
     input_ids: torch.Tensor, token_ids: list[int], pad_id: int
 ) -> tuple[dict[int, tuple[torch.Tensor, int]], torch.Tensor]:
     """Where each media placeholder id sits in (B, T) `input_ids` ((B, T) bool each, and how many
-    there are), and the ids
-    with every placeholder replaced by `pad_id` (the rows the token table gives them are overwritten).
+    there are), and the ids with every placeholder replaced by `pad_id` (the rows the token table
+    gives them are overwritten).
 
     Host ids (the engine's) are compared in numpy: each torch op on the CPU lets the GIL go and has
     to win it back, and under a busy event loop each of those waits up to a switch interval (H200,

@@ -125,11 +125,10 @@ class PrepareProcesses:
     def submit(self, items: Sequence[Item], options: PrepareOptions) -> PrepareJob:
         with self._lock:
             slot = self._free.pop() if self._free else None
+            self.in_flight += 1
         if slot is not None:
             self._flags[slot] = self._started[slot] = False
         job = PrepareJob(self, items, options, slot)
-        with self._lock:
-            self.in_flight += 1
         job.future.add_done_callback(lambda _: self._release(job))
         self._run(job)
         return job
