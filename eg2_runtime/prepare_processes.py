@@ -64,6 +64,7 @@ class PrepareJob:
         self.seconds = 0.0
         self.runs = 0  # worker deaths while it ran (a run that only queued does not count)
         self.released = False
+        self._task: Future[Any] | None = None  # the pool's task of its current run
         self._owner, self._items, self._options, self.slot = owner, list(items), options, slot
 
     def cancel(self) -> None:
@@ -157,7 +158,7 @@ class PrepareProcesses:
         except Exception as e:  # shut down, or a worker that could not be spawned: fail, never hang
             _settle(job.future, None, EngineError(f"the preparing processes cannot take work ({e})"))
             return
-        job._task = task  # type: ignore[attr-defined]
+        job._task = task
         task.add_done_callback(lambda t: self._done(pool, job, t))
 
     def _done(self, pool: ProcessPoolExecutor, job: PrepareJob, task: Future[Any]) -> None:
@@ -216,7 +217,7 @@ class PrepareProcesses:
         with self._lock:  # the flag only while the slot is still this job's
             if job.slot is not None and not job.released:
                 self._flags[job.slot] = True
-        task = getattr(job, "_task", None)
+        task = job._task
         if task is not None:
             task.cancel()  # only a task not yet handed to a worker
         job.future.cancel()
@@ -228,7 +229,7 @@ class PrepareProcesses:
             self.in_flight -= 1
         if job.slot is None:
             return
-        task = getattr(job, "_task", None)
+        task = job._task
 
         def free(_: object = None) -> None:
             with self._lock:

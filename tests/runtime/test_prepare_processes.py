@@ -97,7 +97,8 @@ def test_cancel_stops_a_running_decode(procs: PrepareProcesses, long_s: float) -
     time.sleep(long_s / 4)
     job.cancel()
     assert job.future.cancelled()
-    task = job._task  # type: ignore[attr-defined]
+    task = job._task
+    assert task is not None
     with pytest.raises(Cancelled):  # the worker stopped on the flag, not at the end of the video
         task.result(timeout=120)
     # and the slot is free again: a job after it runs normally
