@@ -1,21 +1,29 @@
 """The service's own CPU per request and per item: the real app serving tests/support/fake_engine.py's engine
 (no model time), driven from this process; server CPU seconds (from /proc) over what it answered.
 
-    python -m benchmarks.server_cpu        (from the repository root; figures for this machine only)
+    python -m benchmarks.server_cpu                      (from the repository root; figures for this machine only)
+    python -m benchmarks.server_cpu --against ../base    (A/B: this checkout and another, e.g. a `git worktree`
+                                                          of the commit before a change, served side by side)
 
-Three loads, each after an untimed warm-up: single-text requests at 1 and at 32 concurrent clients,
-and 32-text requests at 8. The figures behind app/server.py's event loop and parser choice, the
-startup-heap freeze (app/service.py) and the batcher's one preprocessing job per request's text.
+Three loads, each after an untimed warm-up: single-text requests at 1 and at 8 concurrent clients,
+and 32-text requests at 8. With --against, both servers run at once (one idle while the other is
+loaded), the loads alternate between them for --rounds rounds, and each line gives the median of
+each side and their ratio: a change is judged against its baseline measured in the same run, on the
+same machine, under the same background load.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
+import statistics
 import time
+from pathlib import Path
 
 from benchmarks.http_load import burst
-from benchmarks.server_process import cpu_seconds, fake_engine_server, free_port, running
+from benchmarks.server_process import ROOT, cpu_seconds, fake_engine_server, free_port, running
 
 SINGLE = json.dumps({"model": "eg2", "input": "what is the capital of france", "encoding_format": "base64"})
 BATCH = json.dumps(
@@ -26,27 +34,56 @@ BATCH = json.dumps(
     }
 )
 LOADS = (  # (name, body, items per request, concurrency, requests)
-    ("single texts, 1 client", SINGLE, 1, 1, 2000),
-    ("single texts, 32 clients", SINGLE, 1, 32, 3000),
-    ("32-text requests, 8 clients", BATCH, 32, 8, 600),
+    ("single texts, 1 client", SINGLE, 1, 1, 1500),
+    ("single texts, 8 clients", SINGLE, 1, 8, 2000),
+    ("32-text requests, 8 clients", BATCH, 32, 8, 400),
 )
 
 
+def measure(url: str, pid: int, body: bytes, concurrency: int, count: int) -> tuple[float, float]:
+    """(requests/s, server CPU seconds per request) of one timed burst, after an untimed tenth."""
+    asyncio.run(burst(url, body, count // 10, concurrency))
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    asyncio.run(burst(url, body, count, concurrency))
+    wall, used = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    return count / wall, used / count
+
+
 def main() -> None:
-    port = free_port()
-    cmd, env = fake_engine_server(port)
-    url = f"http://127.0.0.1:{port}"
-    with running(cmd, env, url) as server:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--against", type=Path, help="another checkout of this repository: the baseline")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations per load with --against")
+    args = parser.parse_args()
+    sides = {"this": ROOT} | ({"base": args.against.resolve()} if args.against else {})
+    rounds = args.rounds if args.against else 1
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for side, root in sides.items():
+            port = free_port()
+            cmd, env = fake_engine_server(port)
+            cmd[1] = str(root / "tests" / "support" / "fake_engine.py")  # it imports the app beside it
+            url = f"http://127.0.0.1:{port}"
+            servers[side] = (url, stack.enter_context(running(cmd, env, url)).pid)
         for name, body, items, concurrency, count in LOADS:
-            asyncio.run(burst(url, body.encode(), count // 10, concurrency))  # warm
-            cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
-            asyncio.run(burst(url, body.encode(), count, concurrency))
-            wall, used = time.perf_counter() - t0, cpu_seconds(server.pid) - cpu0
-            print(
-                f"{name}: {count / wall:,.0f} requests/s, server CPU {1e3 * used / count:.3f} ms per request, "
-                f"{1e6 * used / (count * items):.1f} us per item",
-                flush=True,
-            )
+            got: dict[str, list[tuple[float, float]]] = {side: [] for side in servers}
+            for r in range(rounds):
+                order = list(servers.items())
+                for side, (url, pid) in order[:: 1 if r % 2 == 0 else -1]:  # ABBA: neither side always first
+                    got[side].append(measure(url, pid, body.encode(), concurrency, count))
+            line = []
+            for side, runs in got.items():
+                rate = statistics.median(r for r, _ in runs)
+                cpu = statistics.median(c for _, c in runs)
+                line.append(
+                    f"{side}: {rate:,.0f} requests/s, server CPU {1e3 * cpu:.3f} ms per request, "
+                    f"{1e6 * cpu / items:.1f} us per item"
+                )
+            if len(got) == 2:  # the median of each round's ratio: a pair shares the machine's state
+                ratio = statistics.median(t[1] / b[1] for t, b in zip(got["this"], got["base"], strict=True))
+                line.append(f"CPU per request this/base {ratio:.3f}x")
+            print(f"{name}: " + "; ".join(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from threading import Event
 from typing import Any
 
 import numpy as np
-import torch
 
 from eg2_runtime.errors import Cancelled, InputTooLargeError, MediaDecodeError, check_cancel
 from eg2_runtime.inputs import MediaLimits
@@ -33,6 +32,7 @@ from eg2_runtime.preprocess import containers, segments
 from eg2_runtime.preprocess.image import (
     PatchedImages,
     PatchGeometry,
+    channels_last,
     patchify,
     resize_uint8,
     soft_tokens,
@@ -297,8 +297,8 @@ def probe_spans(
 
 def _resized(rgb: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """(H, W, 3) uint8 -> (h, w, 3) uint8, the kernel `prepare_frames` applies to the stack."""
-    x = torch.from_numpy(rgb).permute(2, 0, 1)[None]  # (1, 3, H, W) channels-last view
-    return resize_uint8(x, size)[0].permute(1, 2, 0).contiguous().numpy()
+    out = resize_uint8(channels_last(rgb), size)  # (1, 3, h, w) channels-last
+    return out[0].permute(1, 2, 0).contiguous().numpy()  # a view already: no copy
 
 
 def probe_tokens(data: bytes, config: VideoConfig, geometry: PatchGeometry, limits: MediaLimits) -> int:
@@ -379,6 +379,5 @@ def _too_long(seconds: float, limits: MediaLimits) -> InputTooLargeError:
 
 def prepare_frames(frames: np.ndarray, budget: int, geometry: PatchGeometry) -> PatchedImages:
     """(n, H, W, 3) uint8 -> per-frame padded patches, every frame resized to the same target size."""
-    x = torch.from_numpy(frames).permute(0, 3, 1, 2)  # (n, 3, H, W) channels-last view (see resize_uint8)
     size = target_size(frames.shape[1], frames.shape[2], budget, geometry)
-    return patchify(resize_uint8(x, size), geometry.max_patches(budget), geometry)
+    return patchify(resize_uint8(channels_last(frames), size), geometry.max_patches(budget), geometry)
