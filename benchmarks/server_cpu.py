@@ -4,12 +4,15 @@
     python -m benchmarks.server_cpu                      (from the repository root; figures for this machine only)
     python -m benchmarks.server_cpu --against ../base    (A/B: this checkout and another, e.g. a `git worktree`
                                                           of the commit before a change, served side by side)
+    python -m benchmarks.server_cpu --floor              (beside benchmarks/bare_server.py: uvicorn and FastAPI
+                                                          alone, the part no change here can remove)
 
-Three loads, each after an untimed warm-up: single-text requests at 1 and at 8 concurrent clients,
-and 32-text requests at 8. With --against, both servers run at once (one idle while the other is
-loaded), the loads alternate between them for --rounds rounds, and each line gives the median of
-each side and their ratio: a change is judged against its baseline measured in the same run, on the
-same machine, under the same background load.
+Three loads, each after an untimed warm-up: single-text requests at 1 and at 32 concurrent clients,
+and 32-text requests at 8. With --against or --floor, the servers run at once (idle while another is
+loaded), the loads alternate between them for --rounds rounds, each round in the reverse order of the
+last, and each line gives each side's median and the median of each round's ratio to this checkout:
+a change is judged against its baseline measured in the same run, on the same machine, under the same
+background load.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -34,9 +39,9 @@ BATCH = json.dumps(
     }
 )
 LOADS = (  # (name, body, items per request, concurrency, requests)
-    ("single texts, 1 client", SINGLE, 1, 1, 1500),
-    ("single texts, 8 clients", SINGLE, 1, 8, 2000),
-    ("32-text requests, 8 clients", BATCH, 32, 8, 400),
+    ("single texts, 1 client", SINGLE, 1, 1, 2000),
+    ("single texts, 32 clients", SINGLE, 1, 32, 3000),
+    ("32-text requests, 8 clients", BATCH, 32, 8, 600),
 )
 
 
@@ -54,10 +59,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--against", type=Path, help="another checkout of this repository: the baseline")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations per load with --against")
+    parser.add_argument("--floor", action="store_true", help="also serve benchmarks/bare_server.py")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations per load with a second side")
     args = parser.parse_args()
     sides = {"this": ROOT} | ({"base": args.against.resolve()} if args.against else {})
-    rounds = args.rounds if args.against else 1
+    rounds = max(1, args.rounds) if len(sides) > 1 or args.floor else 1
     with contextlib.ExitStack() as stack:
         servers = {}
         for side, root in sides.items():
@@ -66,11 +72,16 @@ def main() -> None:
             cmd[1] = str(root / "tests" / "support" / "fake_engine.py")  # it imports the app beside it
             url = f"http://127.0.0.1:{port}"
             servers[side] = (url, stack.enter_context(running(cmd, env, url)).pid)
+        if args.floor:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "bare_server.py"), str(port)]
+            servers["floor"] = (url, stack.enter_context(running(cmd, dict(os.environ), url)).pid)
         for name, body, items, concurrency, count in LOADS:
             got: dict[str, list[tuple[float, float]]] = {side: [] for side in servers}
             for r in range(rounds):
                 order = list(servers.items())
-                for side, (url, pid) in order[:: 1 if r % 2 == 0 else -1]:  # ABBA: neither side always first
+                for side, (url, pid) in order[:: 1 if r % 2 == 0 else -1]:  # reversed each round: no side always first
                     got[side].append(measure(url, pid, body.encode(), concurrency, count))
             line = []
             for side, runs in got.items():
@@ -80,9 +91,11 @@ def main() -> None:
                     f"{side}: {rate:,.0f} requests/s, server CPU {1e3 * cpu:.3f} ms per request, "
                     f"{1e6 * cpu / items:.1f} us per item"
                 )
-            if len(got) == 2:  # the median of each round's ratio: a pair shares the machine's state
-                ratio = statistics.median(t[1] / b[1] for t, b in zip(got["this"], got["base"], strict=True))
-                line.append(f"CPU per request this/base {ratio:.3f}x")
+            for other in [
+                side for side in got if side != "this"
+            ]:  # a round's pair shares the machine's state
+                ratio = statistics.median(t[1] / o[1] for t, o in zip(got["this"], got[other], strict=True))
+                line.append(f"CPU per request this/{other} {ratio:.3f}x")
             print(f"{name}: " + "; ".join(line), flush=True)
 
 

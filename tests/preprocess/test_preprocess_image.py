@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from eg2_runtime.preprocess import image as image_module
 from eg2_runtime.preprocess.image import (
     PatchGeometry,
     channels_last,
@@ -200,6 +201,22 @@ def test_the_resize_stays_channels_last_and_patchify_reads_either_layout(frames:
         fast.position_ids, slow.position_ids
     )
     assert fast.pixel_values[0, 0].tolist() == resized[0, :, :16, :16].permute(1, 2, 0).flatten().tolist()
+
+
+def test_prepare_image_resizes_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare_image hands the resize a view it answers channels-last: the fast path above, taken."""
+    answers: list[torch.Tensor] = []
+
+    def resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        answers.append(out := resize_uint8(frames, size))
+        return out
+
+    monkeypatch.setattr(image_module, "resize_uint8", resize)
+    prepare_image(
+        decode_image(media.encode_image(media.picture(479, 641), "PNG"), max_pixels=MAX_PIXELS), 280, GEOMETRY
+    )
+    assert len(answers) == 1
+    assert answers[0].is_contiguous(memory_format=torch.channels_last) and not answers[0].is_contiguous()
 
 
 def test_unit_pixels_is_the_float32_rescale() -> None:

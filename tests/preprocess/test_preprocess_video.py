@@ -21,12 +21,14 @@ import torch
 
 from app.settings import Settings
 from eg2_runtime.errors import Cancelled, InputTooLargeError
-from eg2_runtime.preprocess.image import PatchGeometry, unit_pixels
+from eg2_runtime.preprocess import video as video_module
+from eg2_runtime.preprocess.image import PatchGeometry, resize_uint8, unit_pixels
 from eg2_runtime.preprocess.video import VideoConfig, decode_video, prepare_frames
 from tests.support import media
 
 CONFIG = VideoConfig()
 LIMITS = Settings().media_limits()  # the service's defaults
+GEOMETRY = PatchGeometry()
 
 
 def video_processor() -> Any:
@@ -171,3 +173,21 @@ def test_decoding_stops_within_a_frame_once_cancelled() -> None:
     stopped = time.monotonic() - start
     assert outcome and isinstance(outcome[0], Cancelled), outcome
     assert stopped < 1.0, f"decoding went on for {stopped:.2f} s after the cancel"
+
+
+def test_frames_are_resized_channels_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sampled frame resized while decoding, and a stack of frames, reach the resize as a view it
+    answers channels-last (image.channels_last): ~2x faster, and patchify's copy ~10x."""
+    answers: list[torch.Tensor] = []
+
+    def resize(frames: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        answers.append(out := resize_uint8(frames, size))
+        return out
+
+    monkeypatch.setattr(video_module, "resize_uint8", resize)
+    decode_video(media.encode_video(4, 10, size=(100, 130), fmt="mp4"), CONFIG, LIMITS, geometry=GEOMETRY)
+    stack = np.random.default_rng(0).integers(0, 256, (3, 100, 130, 3), dtype=np.uint8)
+    prepare_frames(stack, CONFIG.budget, GEOMETRY)
+    assert len(answers) > 2  # frames one by one, then the stack
+    for out in answers:
+        assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
