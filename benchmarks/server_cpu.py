@@ -81,7 +81,9 @@ def main() -> None:
             got: dict[str, list[tuple[float, float]]] = {side: [] for side in servers}
             for r in range(rounds):
                 order = list(servers.items())
-                for side, (url, pid) in order[:: 1 if r % 2 == 0 else -1]:  # reversed each round: no side always first
+                for side, (url, pid) in order[
+                    :: 1 if r % 2 == 0 else -1
+                ]:  # reversed each round: no side always first
                     got[side].append(measure(url, pid, body.encode(), concurrency, count))
             line = []
             for side, runs in got.items():
