@@ -5,7 +5,7 @@
     python -m benchmarks.server_cpu --against ../base    (A/B: this checkout and another, e.g. a `git worktree`
                                                           of the commit before a change, served side by side)
     python -m benchmarks.server_cpu --floor              (beside benchmarks/bare_server.py: uvicorn and FastAPI
-                                                          alone, the part no change here can remove)
+                                                          alone, and uvicorn with a bare ASGI callable)
 
 Three loads, each after an untimed warm-up: single-text requests at 1 and at 32 concurrent clients,
 and 32-text requests at 8. With --against or --floor, the servers run at once (idle while another is
@@ -59,7 +59,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--against", type=Path, help="another checkout of this repository: the baseline")
-    parser.add_argument("--floor", action="store_true", help="also serve benchmarks/bare_server.py")
+    parser.add_argument(
+        "--floor", action="store_true", help="also serve benchmarks/bare_server.py, both ways"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternations per load with a second side")
     args = parser.parse_args()
     sides = {"this": ROOT} | ({"base": args.against.resolve()} if args.against else {})
@@ -72,11 +74,11 @@ def main() -> None:
             cmd[1] = str(root / "tests" / "support" / "fake_engine.py")  # it imports the app beside it
             url = f"http://127.0.0.1:{port}"
             servers[side] = (url, stack.enter_context(running(cmd, env, url)).pid)
-        if args.floor:
+        for side, flags in (("floor", []), ("asgi", ["--raw"])) if args.floor else ():
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "bare_server.py"), str(port)]
-            servers["floor"] = (url, stack.enter_context(running(cmd, dict(os.environ), url)).pid)
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "bare_server.py"), str(port), *flags]
+            servers[side] = (url, stack.enter_context(running(cmd, dict(os.environ), url)).pid)
         for name, body, items, concurrency, count in LOADS:
             got: dict[str, list[tuple[float, float]]] = {side: [] for side in servers}
             for r in range(rounds):
