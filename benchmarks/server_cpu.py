@@ -80,13 +80,13 @@ def main() -> None:
             cmd = [sys.executable, str(ROOT / "benchmarks" / "bare_server.py"), str(port), *flags]
             servers[side] = (url, stack.enter_context(running(cmd, dict(os.environ), url)).pid)
         for name, body, items, concurrency, count in LOADS:
+            data = body.encode()
             got: dict[str, list[tuple[float, float]]] = {side: [] for side in servers}
-            for r in range(rounds):
-                order = list(servers.items())
-                for side, (url, pid) in order[
-                    :: 1 if r % 2 == 0 else -1
-                ]:  # reversed each round: no side always first
-                    got[side].append(measure(url, pid, body.encode(), concurrency, count))
+            order = list(servers.items())
+            for _ in range(rounds):
+                for side, (url, pid) in order:
+                    got[side].append(measure(url, pid, data, concurrency, count))
+                order.reverse()  # no side always first
             line = []
             for side, runs in got.items():
                 rate = statistics.median(r for r, _ in runs)
@@ -95,9 +95,8 @@ def main() -> None:
                     f"{side}: {rate:,.0f} requests/s, server CPU {1e3 * cpu:.3f} ms per request, "
                     f"{1e6 * cpu / items:.1f} us per item"
                 )
-            for other in [
-                side for side in got if side != "this"
-            ]:  # a round's pair shares the machine's state
+            # Each round's ratio, then their median: a round's pair shares the machine's state.
+            for other in [side for side in got if side != "this"]:
                 ratio = statistics.median(t[1] / o[1] for t, o in zip(got["this"], got[other], strict=True))
                 line.append(f"CPU per request this/{other} {ratio:.3f}x")
             print(f"{name}: " + "; ".join(line), flush=True)
