@@ -206,7 +206,7 @@ def channels_last(pixels: np.ndarray) -> torch.Tensor:
     What `resize_uint8` is fast on, and answers in kind. The batch dimension is added by torch, before
     the permute: numpy's `[None]` and a `[None]` after the permute both leave the batch a stride (0 or
     3) by which torch takes the input for contiguous NCHW, and the resize then converts on the way in
-    and back out (912x672 on the dev machine, one thread: resize 1.75 -> 0.8 ms, patchify 2.4 -> 0.2).
+    and back out (docs/PERF.md has what that cost).
     """
     x = torch.from_numpy(pixels)
     return (x[None] if x.dim() == 3 else x).permute(0, 3, 1, 2)
@@ -234,7 +234,7 @@ def patchify(frames: torch.Tensor, max_patches: int, geometry: PatchGeometry) ->
     numpy, single-threaded on purpose: requests are prepared on many threads at once, and torch's
     intra-op threads on top of those only contend for the same cores. The one copy reads runs of
     p x C contiguous bytes from channels-last frames (what `resize_uint8` gives a `channels_last`
-    view); from NCHW frames it gathers byte by byte, ~10x slower.
+    view); from NCHW frames it gathers byte by byte.
     """
     p = geometry.patch_size
     n, c, h, w = frames.shape

@@ -188,8 +188,7 @@ def test_padding_and_positions() -> None:
 @pytest.mark.parametrize("frames", [1, 3])
 def test_the_resize_stays_channels_last_and_patchify_reads_either_layout(frames: int) -> None:
     """The view the resize is given is the caller's memory, and the resize answers channels-last (it
-    converts neither way: ~2x faster, and patchify's copy ~10x); patchify gives the same patches from
-    NCHW frames."""
+    converts neither way); patchify gives the same patches from NCHW frames."""
     pixels = np.random.default_rng(frames).integers(0, 256, (frames, 100, 130, 3), dtype=np.uint8)
     view = channels_last(pixels[0] if frames == 1 else pixels)  # one image comes as (H, W, 3)
     assert view.shape == (frames, 3, 100, 130) and view.data_ptr() == pixels.ctypes.data

@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -43,7 +43,7 @@ from eg2_runtime.errors import (
     MediaDecodeError,
     ModalityNotLoadedError,
 )
-from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.inputs import Item, MediaPart, Modality, PrepareOptions, TextPart
 
 DIM = 768
 AUDIO_TOKENS = 100
@@ -286,7 +286,10 @@ class FakeEngine:
         cost = max(1, max_batch_tokens // max_batch_items)
         for m in sorted(self.modalities):
             self.embed(
-                [PreparedItem(m, cost, cost, inputs=(bytes(32), "warm-up")) for _ in range(max_batch_items)]
+                [
+                    PreparedItem(cast(Modality, m), cost, cost, inputs=(bytes(32), "warm-up"))
+                    for _ in range(max_batch_items)
+                ]
             )
         return {}
 
