@@ -70,9 +70,10 @@ def buckets(engine: Engine) -> tuple[set[str], set[str]]:
     return graphs, refused
 
 
-def profile(engine: Engine, prepared: list[Any], rows: int = 12) -> dict[str, Any]:
-    """Three embeds under torch.profiler: wall ms each, and the top operators by self host time and
-    by device time (ms over the three)."""
+def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, Any]:
+    """Three embeds under torch.profiler: wall ms each, the device kernels an embed launches (a
+    graph's replay counts each of its kernels), and the top operators by self host time and by
+    device time (ms over the three)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -83,6 +84,7 @@ def profile(engine: Engine, prepared: list[Any], rows: int = 12) -> dict[str, An
             engine.embed(prepared)
             walls.append(1e3 * (time.perf_counter() - t))
     events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
     def top(attr: str) -> list[tuple[str, float, int]]:
         ranked = sorted(events, key=lambda e: -getattr(e, attr))[:rows]
@@ -91,6 +93,7 @@ def profile(engine: Engine, prepared: list[Any], rows: int = 12) -> dict[str, An
     return {
         "wall_ms": walls,
         "device_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 3),
+        "kernels_per_embed": len(kernels) / 3,
         "host_self_ms": top("self_cpu_time_total"),
         "device_self_ms": top("self_device_time_total"),
     }
