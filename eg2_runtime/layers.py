@@ -78,12 +78,39 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         make = linear or _plain_linear
+        self.intermediate = intermediate
         self.gate_proj = make(hidden, intermediate, **kw)
         self.up_proj = make(hidden, intermediate, **kw)
         self.down_proj = make(intermediate, hidden, **kw)
         self.fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.gate_up: torch.Tensor | None = None  # (2 I, H): gate's rows, then up's (merge_gate_up)
+
+    def merge_gate_up(self) -> bool:
+        """Lay gate_proj's and up_proj's weights end to end in one tensor, which the two Linears then
+        view: the fused path makes both with one matmul, and nothing is held twice. Only plain
+        bias-free Linears merge (a packed or clamped projection runs its own forward); returns
+        whether this MLP's are merged."""
+        if self.gate_up is not None:
+            return True
+        gate, up = self.gate_proj, self.up_proj
+        if (
+            type(gate) is not nn.Linear
+            or type(up) is not nn.Linear
+            or gate.bias is not None
+            or up.bias is not None
+        ):
+            return False
+        merged = torch.cat([gate.weight.detach(), up.weight.detach()])
+        gate.weight = nn.Parameter(merged[: self.intermediate], requires_grad=False)
+        up.weight = nn.Parameter(merged[self.intermediate :], requires_grad=False)
+        self.gate_up = merged
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.gate_up is not None:
+            # Two views of one (..., 2 I) product: the kernel reads each in place.
+            gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
+            return self.down_proj(self.fused(gate, up))
         if self.fused is not None:
             return self.down_proj(self.fused(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))

@@ -29,18 +29,22 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 @triton.jit
 def _gelu_tanh_mul_kernel(
-    gate_ptr,  # (numel,) contiguous
-    up_ptr,  # (numel,) contiguous
-    out_ptr,  # (numel,) contiguous
+    gate_ptr,  # (rows, width), unit column stride, rows gate_stride apart
+    up_ptr,  # (rows, width), unit column stride, rows up_stride apart
+    out_ptr,  # (rows, width) contiguous
     numel,
+    width,
+    gate_stride,
+    up_stride,
     K_BETA: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < numel
-    g = tl.load(gate_ptr + i, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + i, mask=inside, other=0.0).to(tl.float32)
+    row, col = i // width, i % width
+    g = tl.load(gate_ptr + row * gate_stride + col, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * up_stride + col, mask=inside, other=0.0).to(tl.float32)
     inner = K_BETA * (g + 0.044715 * (g * g * g))
     y = g / (1.0 + tl.exp(-2.0 * inner))
     if ROUND_BF16:
@@ -52,22 +56,40 @@ def _gelu_tanh_mul_kernel(
 
 
 def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, approximate="tanh") * up, contiguous, of gate's shape and dtype."""
+    """gelu(gate, approximate="tanh") * up, contiguous, of gate's shape and dtype.
+
+    gate and up are read in place where each is rows of unit stride (the two halves of a merged
+    gate/up projection, one layer's slice of the per-layer embeddings); anything else is copied first.
+    """
     if gate.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the fused kernels take float32 or bfloat16, not {gate.dtype}")
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
-    g, u = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(g)
-    numel = g.numel()
+    g, u = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    numel, width = out.numel(), gate.shape[-1]
     _gelu_tanh_mul_kernel[(triton.cdiv(numel, BLOCK),)](
         g,
         u,
         out,
         numel,
+        width,
+        g.stride(0),
+        u.stride(0),
         K_BETA=SQRT_2_OVER_PI,
         ROUND_BF16=gate.dtype == torch.bfloat16,
         BLOCK=BLOCK,
         num_warps=4,
     )
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., width) -> a (rows, width) view with unit column stride, or a contiguous copy where the
+    leading dims do not flatten to one stride."""
+    width = x.shape[-1]
+    try:
+        rows = x.view(-1, width)
+    except RuntimeError:
+        return x.contiguous().view(-1, width)
+    return rows if rows.stride(-1) == 1 or width == 1 else rows.contiguous()

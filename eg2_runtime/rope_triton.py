@@ -29,6 +29,47 @@ from eg2_runtime.rmsnorm_triton import ROW_BLOCK_ELEMENTS, round_to_bf16
 
 
 @triton.jit
+def _norm_rope(
+    x,
+    xp,
+    w_ptr,
+    cols,
+    partner,
+    first,
+    cos,
+    sin,
+    n,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """(R, BLOCK) fp32 rows of n values (zero past n) and each value's rotate-half partner (column
+    `partner`; `first`: in the first half of its section) -> rope(rms_norm(x)) rounded as the
+    reference rounds it, or rms_norm(x) alone without ROPE (xp, cos and sin then unused)."""
+    scale = tl.math.rsqrt(tl.sum(x * x, axis=1)[:, None] * (1.0 / n) + eps)
+    x = x * scale
+    if HAS_WEIGHT:
+        x = x * tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        x = round_to_bf16(x)
+    if ROPE:
+        xp = xp * scale
+        if HAS_WEIGHT:
+            xp = xp * tl.load(w_ptr + partner, mask=cols < n, other=0.0).to(tl.float32)
+        if ROUND_BF16:
+            xp = round_to_bf16(xp)
+        a = x * cos
+        b = tl.where(first, -xp, xp) * sin
+        if ROUND_BF16:
+            a, b = round_to_bf16(a), round_to_bf16(b)
+        x = a + b
+        if ROUND_BF16:
+            x = round_to_bf16(x)
+    return x
+
+
+@triton.jit
 def _rms_norm_rope_kernel(
     x_ptr,  # (rows, hd) contiguous, rows = tokens * heads
     w_ptr,  # (hd,) the norm weight, or a dummy when HAS_WEIGHT is false
@@ -55,24 +96,61 @@ def _rms_norm_rope_kernel(
     partner = tl.where(first, cols + half, cols - half)
     x = tl.load(x_ptr + row * hd + cols, mask=inside, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + row * hd + partner, mask=inside, other=0.0).to(tl.float32)  # cached: same row
-    scale = tl.math.rsqrt(tl.sum(x * x, axis=1)[:, None] * (1.0 / hd) + eps)
-    x, xp = x * scale, xp * scale
-    if HAS_WEIGHT:
-        x = x * tl.load(w_ptr + cols, mask=cols < hd, other=0.0).to(tl.float32)
-        xp = xp * tl.load(w_ptr + partner, mask=cols < hd, other=0.0).to(tl.float32)
-    if ROUND_BF16:
-        x, xp = round_to_bf16(x), round_to_bf16(xp)
     token = row // heads
     cos = tl.load(cos_ptr + token * hd + cols, mask=inside, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * hd + cols, mask=inside, other=0.0).to(tl.float32)
-    a = x * cos
-    b = tl.where(first, -xp, xp) * sin
-    if ROUND_BF16:
-        a, b = round_to_bf16(a), round_to_bf16(b)
-    out = a + b
-    if ROUND_BF16:
-        out = round_to_bf16(out)
+    out = _norm_rope(x, xp, w_ptr, cols, partner, first, cos, sin, hd, eps, HAS_WEIGHT, True, ROUND_BF16)
     tl.store(out_ptr + row * hd + cols, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _qkv_norm_rope_kernel(
+    qkv_ptr,  # (tokens, (heads + 2 kv_heads) * hd), unit column stride, rows `stride` apart
+    qw_ptr,  # (hd,) q_norm's weight
+    kw_ptr,  # (hd,) k_norm's weight
+    cos_ptr,  # (tokens, hd) contiguous
+    sin_ptr,  # (tokens, hd) contiguous
+    q_ptr,  # (tokens, heads, hd) contiguous
+    k_ptr,  # (tokens, kv_heads, hd) contiguous
+    v_ptr,  # (tokens, kv_heads, hd) contiguous
+    tokens,
+    stride,
+    heads,
+    kv_heads,
+    hd,
+    q_eps,
+    k_eps,
+    v_eps,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: BLOCK_T tokens of one head of the projection, q's heads first, then k's, then v's
+    (the order of the merged weight's rows)."""
+    token = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (R, 1)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)[None, :]
+    inside = (token < tokens) & (cols < hd)
+    half = hd // 2
+    first = cols < half
+    partner = tl.where(first, cols + half, cols - half)
+    src = qkv_ptr + token * stride + head * hd
+    x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
+    if head < heads + kv_heads:  # q and k: normalized with their weight, then rotated
+        xp = tl.load(src + partner, mask=inside, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + token * hd + cols, mask=inside, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + token * hd + cols, mask=inside, other=0.0).to(tl.float32)
+        if head < heads:
+            out = _norm_rope(x, xp, qw_ptr, cols, partner, first, cos, sin, hd, q_eps, True, True, ROUND_BF16)
+            tl.store(q_ptr + (token * heads + head) * hd + cols, out.to(q_ptr.dtype.element_ty), mask=inside)
+        else:
+            out = _norm_rope(x, xp, kw_ptr, cols, partner, first, cos, sin, hd, k_eps, True, True, ROUND_BF16)
+            at = (token * kv_heads + head - heads) * hd + cols
+            tl.store(k_ptr + at, out.to(k_ptr.dtype.element_ty), mask=inside)
+    else:  # v: normalized, no weight, not rotated
+        out = _norm_rope(x, x, qw_ptr, cols, partner, first, x, x, hd, v_eps, False, False, ROUND_BF16)
+        at = (token * kv_heads + head - heads - kv_heads) * hd + cols
+        tl.store(v_ptr + at, out.to(v_ptr.dtype.element_ty), mask=inside)
 
 
 def rms_norm_rope(
@@ -120,3 +198,61 @@ def rms_norm_rope(
         num_warps=8,  # 16 values a thread: x, its partner, weights, cos and sin stay in registers
     )
     return out.view(x.shape)
+
+
+def qkv_norm_rope(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: tuple[float, float, float],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The text attention's per-token half from one merged projection, in one launch.
+
+    qkv: (N, (heads + 2 kv_heads) * hd), q's heads then k's then v's (a view of rows with unit
+    column stride is read in place); cos/sin (N, hd). Returns q = rope(q_norm(q)) (N, heads, hd) and
+    k = rope(k_norm(k)), v = v_norm(v) (N, kv_heads, hd), contiguous: what q_norm / k_norm / v_norm
+    and apply_rope give, rounded as rms_norm_rope rounds. eps: q_norm's, k_norm's, v_norm's.
+    """
+    if qkv.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the fused kernels take float32 or bfloat16, not {qkv.dtype}")
+    n, width = qkv.shape
+    hd = width // (heads + 2 * kv_heads)
+    if hd * (heads + 2 * kv_heads) != width or hd % 2:
+        raise ValueError(f"a projection of {width} does not split into {heads} + 2 x {kv_heads} heads")
+    for table in (cos, sin):
+        if table.shape != (n, hd) or table.dtype != qkv.dtype:
+            raise ValueError(f"cos/sin must be {(n, hd)} {qkv.dtype}, got {tuple(table.shape)} {table.dtype}")
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
+    q = torch.empty((n, heads, hd), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((n, kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k)
+    block = triton.next_power_of_2(hd)
+    block_t = max(1, ROW_BLOCK_ELEMENTS // block)
+    _qkv_norm_rope_kernel[(triton.cdiv(n, block_t), heads + 2 * kv_heads)](
+        qkv,
+        q_weight,
+        k_weight,
+        cos.contiguous(),
+        sin.contiguous(),
+        q,
+        k,
+        v,
+        n,
+        qkv.stride(0),
+        heads,
+        kv_heads,
+        hd,
+        eps[0],
+        eps[1],
+        eps[2],
+        ROUND_BF16=qkv.dtype == torch.bfloat16,
+        BLOCK_T=block_t,
+        BLOCK=block,
+        num_warps=8,
+    )
+    return q, k, v

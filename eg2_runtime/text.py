@@ -27,18 +27,23 @@ from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, 
 from eg2_runtime.packed_attention import PackedAttention
 from eg2_runtime.packing import Packing
 
+# The packed forward computes every layer's PLE slice up front for batches of up to this many tokens
+# (the query and short-text buckets, whose time is the count of their kernels, each too small to fill
+# the GPU); larger batches take one slice a layer, whose memory does not grow with the layer count.
+PLE_UPFRONT_TOKENS = 1024
+
 # q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# rope_triton.rms_norm_rope: (x, weight, eps, cos, sin, sections) -> rope(norm(x))
-NormRope = Callable[[torch.Tensor, torch.Tensor | None, float, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# rope_triton.qkv_norm_rope: (qkv, heads, kv_heads, q_weight, k_weight, eps, cos, sin) -> q, k, v
+QkvNormRope = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 # rmsnorm_triton.add_rms_norm: (x, y, y_weight, y_eps, sum_weight, sum_eps) -> (x + norm(y), norm(sum))
 AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class TextAttention(nn.Module):
-    """`fused` (the packed path): q and k each normalized and rotated in one kernel
-    (rope_triton.rms_norm_rope), set by fused.use_fused_kernels; None runs q_norm / k_norm, then
-    apply_rope."""
+    """`fused` (the packed path): q, k and v from one matmul of the merged weight (`merge_qkv`), then
+    normalized, and q and k rotated, in one kernel (rope_triton.qkv_norm_rope), set by
+    fused.use_fused_kernels; None runs q_proj / k_proj / v_proj, their norms, then apply_rope."""
 
     def __init__(self, cfg: TextConfig, layer: int) -> None:
         super().__init__()
@@ -53,7 +58,26 @@ class TextAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
-        self.fused: NormRope | None = None
+        self.fused: QkvNormRope | None = None
+        self.qkv: torch.Tensor | None = None  # ((nh + 2 kv) hd, H): q's rows, k's, v's (merge_qkv)
+
+    def merge_qkv(self) -> None:
+        """Lay q_proj's, k_proj's and v_proj's weights end to end in one tensor, which the three
+        Linears then view: one matmul makes all three, and nothing is held twice."""
+        if self.qkv is not None:
+            return
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        merged = torch.cat([p.weight.detach() for p in projections])
+        start = 0
+        for p in projections:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(merged[start : start + rows], requires_grad=False)
+            start += rows
+        self.qkv = merged
+
+    def project_raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(..., H) -> the three projections, before their norms."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., H) -> q (..., nh, hd), k and v (..., kv, hd), normed: the per-token half of attention.
@@ -93,29 +117,43 @@ class TextAttention(nn.Module):
             q, k, v = self.project(x)  # (N, nh or kv, hd)
             q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
         else:
-            shape = (n, -1, self.head_dim)
-            q = self.fused(self.q_proj(x).view(shape), self.q_norm.weight, self.q_norm.eps, cos, sin, 1)
-            k = self.fused(self.k_proj(x).view(shape), self.k_norm.weight, self.k_norm.eps, cos, sin, 1)
-            v = self.v_norm(self.v_proj(x).view(shape))
+            # (N, (nh + 2 kv) hd); unmerged (fused by hand, not by use_fused_kernels), three matmuls
+            qkv = F.linear(x, self.qkv) if self.qkv is not None else torch.cat(self.project_raw(x), dim=-1)
+            norms = (self.q_norm, self.k_norm, self.v_norm)
+            q, k, v = self.fused(
+                qkv,
+                self.num_heads,
+                self.kv_heads,
+                norms[0].weight,
+                norms[1].weight,
+                tuple(m.eps for m in norms),
+                cos,
+                sin,
+            )
         return self.o_proj(attend(q, k, v).reshape(n, -1))
 
 
 class PLEBlock(nn.Module):
-    """Gates the residual stream with this layer's slice of the per-layer embeddings."""
+    """Gates the residual stream with this layer's slice of the per-layer embeddings. `fused`: the
+    gate's gelu and product in one kernel."""
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
         self.per_layer_input_gate = nn.Linear(cfg.hidden_size, cfg.ple_dim, bias=False)
         self.per_layer_projection = nn.Linear(cfg.ple_dim, cfg.hidden_size, bias=False)
         self.post_per_layer_input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # mlp_triton.gelu_tanh_mul (the MLP's own gate kernel), set by fused.use_fused_kernels
+        self.fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         return x + self.post_per_layer_input_norm(self.update(x, ple))
 
     def update(self, x: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, T, H): what is normalized and added to the stream."""
-        gated = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * ple  # (B, T, P)
-        return self.per_layer_projection(gated)
+        gate = self.per_layer_input_gate(x)  # (B, T, P)
+        if self.fused is not None:
+            return self.per_layer_projection(self.fused(gate, ple))
+        return self.per_layer_projection(F.gelu(gate, approximate="tanh") * ple)
 
 
 class TextLayer(nn.Module):
@@ -292,6 +330,10 @@ class TextEncoder(nn.Module):
         cfg = self.cfg
         attention = PackedAttention(packing, cfg, backends, block_size)
         rope: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Up to PLE_UPFRONT_TOKENS, every layer's PLE slice at once, as the reference computes them
+        # (3 kernels in all, where a slice per layer takes 3 a layer); past it, each layer's slice
+        # when the layer runs, as the lean path: all of them hold 24 KiB a token.
+        ples = self.ple(embeds) if embeds.shape[0] <= PLE_UPFRONT_TOKENS else None  # (N, L, P)
         x = embeds
         for i, layer in enumerate(self.layers):
             kind = cfg.layer_types[i]
@@ -300,7 +342,7 @@ class TextEncoder(nn.Module):
                 # (N, hd): one angle per token and channel, shared by the heads
                 rope[key] = rope_cos_sin(packing.positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
             attend = functools.partial(attention, kind)
-            ple = self.ple.layer(embeds, i)  # (N, P): each layer's slice when it runs, as the lean path
+            ple = ples[:, i] if ples is not None else self.ple.layer(embeds, i)  # (N, P)
             x = cast(TextLayer, layer).forward_packed(x, ple, *rope[key], attend)
         return self.embedding_projection(self.norm(x))
 

@@ -44,6 +44,22 @@ SCRIPT = textwrap.dedent(
     # A transposed (non-contiguous) pair: the kernel reads contiguous copies.
     g, u = gate.transpose(0, 1), up.transpose(0, 1)
     assert fp32_error(gelu_tanh_mul(g, u), F.gelu(g, approximate="tanh") * u) <= 1e-6
+    # The halves of a merged gate/up projection, and a slice of wider rows: read in place, each
+    # with its own row stride.
+    merged = torch.randn(4, 6, 2 * 301, generator=gen) * 3
+    wide = torch.randn(4 * 6, 3 * 301, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        g, u = merged.to(dtype).split(301, dim=-1)
+        u2 = wide.to(dtype)[:, 7 : 7 + 301].view(4, 6, 301)
+        for up_ in (u, u2):
+            assert not g.is_contiguous() and not up_.is_contiguous()
+            got, ref = gelu_tanh_mul(g, up_), F.gelu(g, approximate="tanh") * up_
+            assert got.is_contiguous() and got.shape == ref.shape
+            if dtype == torch.float32:
+                assert fp32_error(got, ref) <= 1e-6
+            else:
+                steps, differ = bf16_error(got, ref)
+                assert steps <= 1 and differ <= 0.01, ("strided bf16", steps, differ)
     print("ok")
     """
 )

@@ -66,3 +66,52 @@ SCRIPT = textwrap.dedent(
 
 def test_triton_rms_norm_rope_matches_reference() -> None:
     assert_ok_in_interpreter(SCRIPT)
+
+
+QKV_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from eg2_runtime.layers import RMSNorm, apply_rope, rope_cos_sin
+    from eg2_runtime.rope_triton import qkv_norm_rope
+    from tests.support.triton_interpreter import bf16_error, fp32_error
+
+    gen = torch.Generator().manual_seed(1)
+
+    def check(what, got, ref):
+        assert got.shape == ref.shape and got.dtype == ref.dtype and got.is_contiguous(), (what, got.shape)
+        if ref.dtype == torch.float32:
+            err = fp32_error(got, ref)
+            assert err <= 1e-6, (what, "fp32", err)
+        else:
+            steps, differ = bf16_error(got, ref)
+            assert steps <= 1 and differ <= 0.01, (what, "bf16 steps", steps, "differ", differ)
+
+    # (tokens, heads, kv heads, head_dim): the tiny checkpoint's, the text encoder's sliding and full
+    # layers', a token count no block divides.
+    for n, heads, kv, hd in [(37, 4, 2, 16), (45, 4, 2, 256), (19, 4, 1, 512), (5, 3, 1, 24)]:
+        q_norm, k_norm = RMSNorm(hd, eps=1e-6), RMSNorm(hd, eps=1e-5)
+        v_norm = RMSNorm(hd, eps=1e-4, with_scale=False)
+        q_norm.weight.data = torch.randn(hd, generator=gen)
+        k_norm.weight.data = torch.randn(hd, generator=gen)
+        # Read in place from a wider tensor: rows with more columns than the projection's.
+        wide = torch.randn(n, (heads + 2 * kv) * hd + 8, generator=gen) * 4
+        wide[3] = 0  # a zero row: the norm of zeros is zeros
+        wide[-1] *= 1e-3  # eps weighs on this row
+        positions = torch.randint(0, 600, (n,), generator=gen)
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv = wide.to(dtype)[:, : (heads + 2 * kv) * hd]
+            assert not qkv.is_contiguous()
+            cos, sin = rope_cos_sin(positions, hd, 10_000.0, dtype)  # (n, hd)
+            q, k, v = qkv_norm_rope(qkv, heads, kv, q_norm.weight, k_norm.weight, (1e-6, 1e-5, 1e-4), cos, sin)
+            rq, rk, rv = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)
+            what = (n, heads, kv, hd, dtype)
+            check((what, "q"), q, apply_rope(q_norm.reference(rq.reshape(n, heads, hd)), cos[:, None], sin[:, None]))
+            check((what, "k"), k, apply_rope(k_norm.reference(rk.reshape(n, kv, hd)), cos[:, None], sin[:, None]))
+            check((what, "v"), v, v_norm.reference(rv.reshape(n, kv, hd)))
+    print("ok")
+    """
+)
+
+
+def test_triton_qkv_norm_rope_matches_the_three_norms_and_rope() -> None:
+    assert_ok_in_interpreter(QKV_SCRIPT)

@@ -1,6 +1,7 @@
-"""The packed text forward with its fused kernels (TextAttention: norm + RoPE; TextLayer: residual adds
-with their norms, the PLE block's included) against its reference path, on the tiny checkpoints, in
-Triton's CPU interpreter:
+"""The packed text forward with its fused kernels (TextAttention: q, k, v from one merged matmul, then
+their norms and RoPE in one kernel; the MLP's gate and up merged; TextLayer: residual adds with their
+norms, the PLE block's included; the PLE gate) against its reference path, on the tiny checkpoints,
+in Triton's CPU interpreter, with the PLE slices up front and one layer at a time:
 - FP32: per-token outputs within 1e-5 of each row's scale, yet not bit-identical (the kernels ran);
 - BF16: every item's pooled vector at cosine >= 0.9999 to the BF16 reference, and no further from
   the FP32 model than the BF16 reference is (3x its distance + 1e-5, test_gpu.py's rule);
@@ -21,10 +22,12 @@ SCRIPT = textwrap.dedent(
     """
     import sys
     import torch
+    from eg2_runtime import text
     from eg2_runtime.fused import use_fused_kernels
+    from eg2_runtime.layers import GatedMLP
     from eg2_runtime.loader import load_model
     from eg2_runtime.packing import Packing
-    from eg2_runtime.text import TextAttention, TextLayer
+    from eg2_runtime.text import PLEBlock, TextAttention, TextLayer
     from tests.support.triton_interpreter import fp32_error
 
     fp32_dir, bf16_dir = sys.argv[1], sys.argv[2]
@@ -43,17 +46,32 @@ SCRIPT = textwrap.dedent(
     for model_dir, dtype in [(fp32_dir, torch.float32), (bf16_dir, torch.bfloat16)]:
         encoder = load_model(model_dir, "cpu", {"text"}, dtype=dtype)[0].language_model
         reference = run(encoder, dtype)
+        # Each layer's PLE slice when it runs (a batch past PLE_UPFRONT_TOKENS) against all up front
+        text.PLE_UPFRONT_TOKENS = 0
+        layer_by_layer = run(encoder, dtype)
+        text.PLE_UPFRONT_TOKENS = 1024
+        if dtype == torch.float32:
+            assert fp32_error(layer_by_layer[0], reference[0]) <= 1e-5
+        else:
+            assert cos(layer_by_layer[1], reference[1]).min() >= 0.9999
         use_fused_kernels(encoder)
         for m in encoder.modules():
-            if isinstance(m, (TextAttention, TextLayer)):
+            if isinstance(m, (TextAttention, TextLayer, PLEBlock)):
                 assert m.fused is not None, type(m)
-        fused = run(encoder, dtype)
-        if dtype == torch.float32:
-            err = fp32_error(fused[0], reference[0])
-            assert err <= 1e-5, ("fp32", err)
-            assert not torch.equal(fused[0], reference[0]), "bit-identical: did the kernels run?"
-        else:
-            assert cos(fused[1], reference[1]).min() >= 0.9999, ("bf16 cosine", cos(fused[1], reference[1]))
+            if isinstance(m, TextAttention):  # the merged weight, which the three Linears view
+                assert m.qkv is not None and m.q_proj.weight.data_ptr() == m.qkv.data_ptr()
+            if isinstance(m, GatedMLP):
+                assert m.gate_up is not None and m.gate_proj.weight.data_ptr() == m.gate_up.data_ptr()
+        for upfront in (1024, 0):
+            text.PLE_UPFRONT_TOKENS = upfront
+            fused = run(encoder, dtype)
+            if dtype == torch.float32:
+                err = fp32_error(fused[0], reference[0])
+                assert err <= 1e-5, ("fp32", upfront, err)
+                assert not torch.equal(fused[0], reference[0]), "bit-identical: did the kernels run?"
+            else:
+                assert cos(fused[1], reference[1]).min() >= 0.9999, ("bf16 cosine", upfront, cos(fused[1], reference[1]))
+        text.PLE_UPFRONT_TOKENS = 1024
         assert use_fused_kernels(encoder, enable=False) == 0
         assert torch.equal(run(encoder, dtype)[0], reference[0]), "enable=False is not the reference"
         runs[dtype] = reference, fused
