@@ -85,26 +85,17 @@ class GatedMLP(nn.Module):
         self.fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.gate_up: torch.Tensor | None = None  # (2 I, H): gate's rows, then up's (merge_gate_up)
 
-    def merge_gate_up(self) -> bool:
-        """Lay gate_proj's and up_proj's weights end to end in one tensor, which the two Linears then
-        view: the fused path makes both with one matmul, and nothing is held twice. Only plain
-        bias-free Linears merge (a packed or clamped projection runs its own forward); returns
-        whether this MLP's are merged."""
-        if self.gate_up is not None:
-            return True
+    def merges(self) -> dict[str, tuple[str, ...]]:
+        """The merged weight (`gate_up`) and the Linears that view it, which the loader lays end to
+        end as it loads them (`merge_weights`). Only plain bias-free Linears merge: a packed or
+        clamped projection runs its own forward."""
         gate, up = self.gate_proj, self.up_proj
-        if (
-            type(gate) is not nn.Linear
-            or type(up) is not nn.Linear
-            or gate.bias is not None
-            or up.bias is not None
-        ):
-            return False
-        merged = torch.cat([gate.weight.detach(), up.weight.detach()])
-        gate.weight = nn.Parameter(merged[: self.intermediate], requires_grad=False)
-        up.weight = nn.Parameter(merged[self.intermediate :], requires_grad=False)
-        self.gate_up = merged
-        return True
+        plain = type(gate) is nn.Linear and type(up) is nn.Linear and gate.bias is None and up.bias is None
+        return {"gate_up": ("gate_proj", "up_proj")} if plain else {}
+
+    def merge_gate_up(self) -> None:
+        """The fused path makes gate and up with one matmul of `gate_up` (merge_weights)."""
+        merge_weights(self, self.merges())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.gate_up is not None:
@@ -114,6 +105,29 @@ class GatedMLP(nn.Module):
         if self.fused is not None:
             return self.down_proj(self.fused(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def merge_weights(
+    module: nn.Module, merges: dict[str, tuple[str, ...]], device: torch.device | None = None
+) -> None:
+    """For each `attr: linears` of `merges`, give `module.attr` one (sum of out, in) weight with the
+    Linears' weights end to end, on `device` (default: where they are), and have each Linear view its
+    rows, so nothing is held twice. The loader merges on the host as it loads, moving each merged
+    weight to the device once; a later call (fused kernels switched on for a model built otherwise)
+    merges in place on the device. What is merged stays merged."""
+    for attr, names in merges.items():
+        if getattr(module, attr) is not None:
+            continue
+        linears = [module.get_submodule(n) for n in names]
+        weights = [m.weight.detach() for m in linears if isinstance(m, nn.Linear)]
+        if len(weights) != len(linears):
+            raise TypeError(f"only plain Linears merge: {names}")
+        merged = torch.cat(weights).to(device or weights[0].device)
+        start = 0
+        for m, w in zip(linears, weights, strict=True):
+            m.weight = nn.Parameter(merged[start : start + w.shape[0]], requires_grad=False)
+            start += w.shape[0]
+        setattr(module, attr, merged)
 
 
 def _plain_linear(in_features: int, out_features: int) -> nn.Linear:

@@ -19,8 +19,10 @@ from safetensors import safe_open
 
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError
+from eg2_runtime.layers import GatedMLP, merge_weights
 from eg2_runtime.model import EG2Model
 from eg2_runtime.quant import PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
+from eg2_runtime.text import TextAttention
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,16 @@ def load_model(
     wanted = {n: t for n, t in stored.items() if _loaded(model, n)}
     _check_names_and_shapes(expected, wanted)
 
+    # Weights some modules hold merged (text attention's q, k, v; a plain MLP's gate and up): read
+    # on the host, then laid end to end and moved to the device once (merge_weights), so the
+    # device never holds them twice.
+    merged = {
+        f"{prefix}.{linear}.weight"
+        for prefix, module in model.named_modules()
+        if isinstance(module, MERGING)
+        for linears in module.merges().values()
+        for linear in linears
+    }
     state: dict[str, torch.Tensor] = {}
     handles: dict[Path, object] = {}
     try:
@@ -171,11 +183,14 @@ def load_model(
                 name.endswith((".weight_packed", ".weight_scale", ".weight_shape"))
                 or not t.is_floating_point()
             )
-            state[name] = t.to(dev, dtype=None if keep else cdtype)
+            state[name] = t.to("cpu" if name in merged else dev, dtype=None if keep else cdtype)
     except Exception as e:  # safetensors raises its own error types on corrupt data
         raise CheckpointError(f"could not read the weights: {e}") from None
     model.load_state_dict(state, strict=True, assign=True)
     del state, handles
+    for module in model.modules():
+        if isinstance(module, MERGING):
+            merge_weights(module, module.merges(), dev)
 
     if pack:
         with torch.no_grad():
@@ -186,6 +201,10 @@ def load_model(
         model.unpacker = Unpacker.attach(model, cdtype)
     log.info("loaded %s: %s", model_dir.name, report.summary())
     return model, report
+
+
+# The modules whose Linears can share one merged weight (their `merges()`).
+MERGING = (TextAttention, GatedMLP)
 
 
 def _loaded(model: EG2Model, name: str) -> bool:

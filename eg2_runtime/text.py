@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eg2_runtime.config import FULL, SLIDING, TextConfig
-from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, rope_cos_sin
+from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, merge_weights, rope_cos_sin
 from eg2_runtime.packed_attention import PackedAttention
 from eg2_runtime.packing import Packing
 
@@ -61,19 +61,13 @@ class TextAttention(nn.Module):
         self.fused: QkvNormRope | None = None
         self.qkv: torch.Tensor | None = None  # ((nh + 2 kv) hd, H): q's rows, k's, v's (merge_qkv)
 
+    def merges(self) -> dict[str, tuple[str, ...]]:
+        """The merged weight (`qkv`) and the Linears that view it (layers.merge_weights)."""
+        return {"qkv": ("q_proj", "k_proj", "v_proj")}
+
     def merge_qkv(self) -> None:
-        """Lay q_proj's, k_proj's and v_proj's weights end to end in one tensor, which the three
-        Linears then view: one matmul makes all three, and nothing is held twice."""
-        if self.qkv is not None:
-            return
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        merged = torch.cat([p.weight.detach() for p in projections])
-        start = 0
-        for p in projections:
-            rows = p.weight.shape[0]
-            p.weight = nn.Parameter(merged[start : start + rows], requires_grad=False)
-            start += rows
-        self.qkv = merged
+        """The fused path makes q, k and v with one matmul of `qkv` (layers.merge_weights)."""
+        merge_weights(self, self.merges())
 
     def project_raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., H) -> the three projections, before their norms."""

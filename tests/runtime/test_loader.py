@@ -34,6 +34,30 @@ def test_report_counts_what_is_stored(tiny_w4: Path) -> None:
     )
 
 
+def test_merged_projections_hold_the_stored_weights_once(tiny_bf16: Path) -> None:
+    """Text attention's q, k, v and the text MLP's gate, up load into one merged tensor each, which
+    the Linears view: the stored values, and no second copy (the report counts what is resident)."""
+    from eg2_runtime.layers import GatedMLP
+    from eg2_runtime.text import TextAttention
+
+    model, report = load_model(tiny_bf16, "cpu", modalities={"text"}, dtype=torch.bfloat16)
+    stored = load_file(str(tiny_bf16 / "model.safetensors"))
+    merged = 0
+    for name, m in model.named_modules():
+        if isinstance(m, (TextAttention, GatedMLP)) and m.merges():
+            for attr, linears in m.merges().items():
+                whole = getattr(m, attr)
+                parts = [stored[f"{name}.{linear}.weight"].to(torch.bfloat16) for linear in linears]
+                assert torch.equal(whole, torch.cat(parts)), (name, attr)
+                for linear in linears:
+                    weight = m.get_submodule(linear).weight
+                    assert weight.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+                merged += 1
+    assert merged == 2 * model.config.text.num_layers
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
+    assert sum(storages.values()) == report.resident_bytes - sum(b.nbytes for b in model.buffers())
+
+
 def test_text_only_loads_no_tower(tiny_w4: Path) -> None:
     model, report = load_model(tiny_w4, "cpu", modalities={"text"})
     assert model.vision_tower is None and model.audio_tower is None
