@@ -74,7 +74,7 @@ def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, An
     """Three embeds under torch.profiler: wall ms each, the device kernels an embed launches (a
     graph's replay counts each of its kernels), and the top operators by self host time and by
     device time (ms over the three)."""
-    from torch.profiler import ProfilerActivity
+    from torch.profiler import DeviceType, ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     walls = []
@@ -84,7 +84,7 @@ def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, An
             engine.embed(prepared)
             walls.append(1e3 * (time.perf_counter() - t))
     events = prof.key_averages()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
 
     def top(attr: str) -> list[tuple[str, float, int]]:
         ranked = sorted(events, key=lambda e: -getattr(e, attr))[:rows]
