@@ -30,7 +30,10 @@ from eg2_runtime.packing import Packing
 # The packed forward computes every layer's PLE slice up front for batches of up to this many tokens
 # (the query and short-text buckets, whose time is the count of their kernels, each too small to fill
 # the GPU); larger batches take one slice a layer, whose memory does not grow with the layer count.
-PLE_UPFRONT_TOKENS = 1024
+# Bounded so that the up-front slices (N x L x P, twice) fit blocks a larger bucket's graph leaves in
+# the shared graph pool: at 1,024 tokens (48 MiB) the text-only engine's start-up set, captured
+# largest first from a 1,536-token graph, overran its pool (H200, benchmarks/probe_boot.py).
+PLE_UPFRONT_TOKENS = 256
 
 # q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
