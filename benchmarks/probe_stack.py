@@ -1,11 +1,13 @@
-"""Probe (GPU): which of the engine's paths makes the driver grow the per-thread CUDA stack.
+"""Probe (GPU): what each of the engine's paths adds to the process's GPU memory outside torch's
+allocator (kernels, library handles, the per-thread CUDA stack) the first time it runs.
 
     python -m benchmarks.probe_stack --out DIR [--checkpoint w4|bf16]
 
 The engine sets the stack limit to 256 bytes (gpu_memory.set_cuda_stack_limit); a kernel that needs
 more makes the driver grow the reservation for every thread the GPU can hold (~69 MiB on the H200
-per 256 bytes). This boots an engine as `eg2 serve` does, reads the limit back, then for each path
-sets it to 256 again, runs the path once and reads the limit and the process's GPU memory (NVML).
+per 256 bytes). This loads the model as the engine does (fused kernels, the stack limit), then runs
+each path once, reading after each the stack limit and the process's GPU memory (NVML) less the
+allocator's reserved bytes. Then it boots an engine in the same process and reads them again.
 Writes stack-<checkpoint>.json into DIR.
 """
 
@@ -22,7 +24,9 @@ import torch
 
 from benchmarks.workloads import checkpoints
 from eg2_runtime.engine import Engine
-from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, set_cuda_stack_limit
+from eg2_runtime.fused import use_fused_kernels
+from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, ProcessGpuMemory, set_cuda_stack_limit
+from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import MIB
 from eg2_runtime.packing import Packing
 from eg2_runtime.quant import PackedLinear
@@ -36,23 +40,24 @@ def stack_limit() -> int:
     return value.value
 
 
-def paths(engine: Engine) -> dict[str, Callable[[], Any]]:
-    model, dev, dt = engine.model, engine.device, engine.model.dtype
+def paths(model: Any) -> dict[str, Callable[[], Any]]:
+    dev, dt = model.language_model.embedding_projection.weight.device, model.dtype
     h = model.config.text.hidden_size
     out: dict[str, Callable[[], Any]] = {}
     packing = Packing.from_lengths([40], dev)
     out["text packed"] = lambda: model.language_model.forward_packed(
         torch.zeros(40, h, dtype=dt, device=dev), packing
     )
-    out["text lean"] = lambda: model.encode(
-        torch.zeros(1, 40, h, dtype=dt, device=dev), torch.ones(1, 40, device=dev), lean=True
+    long = 3 * model.config.text.sliding_window + 1
+    out["text lean, banded"] = lambda: model.encode(
+        torch.zeros(1, long, h, dtype=dt, device=dev), torch.ones(1, long, device=dev), lean=True
     )
     unpacker = model.unpacker
     if unpacker is not None and unpacker.fast is not None:
         layer = next(m for m in model.modules() if isinstance(m, PackedLinear))
         out["dequant kernel"] = lambda: unpacker.fast(
             layer.weight_packed, layer.weight_scale, unpacker._view(layer, 0)
-        )  # type: ignore[misc]
+        )
     if model.vision_tower is not None:
         cfg = model.vision_tower.cfg
         s = 70 * cfg.pooling_kernel_size**2
@@ -75,27 +80,35 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (bf16, w4):
-        engine = Engine.from_dir(w4 if args.checkpoint == "w4" else bf16, device="cuda")
-    nvml = lambda: engine.memory().get("process_gpu_bytes", 0) / MIB  # noqa: E731
-    result: dict[str, Any] = {
-        "checkpoint": args.checkpoint,
-        "plan": engine.plan.describe() if engine.plan else None,
-        "after_boot": {"stack_bytes": stack_limit(), "process_mib": nvml()},
-        "paths": {},
-    }
+        model_dir = w4 if args.checkpoint == "w4" else bf16
+    gpu = ProcessGpuMemory()
+
+    def outside() -> dict[str, float]:
+        torch.cuda.synchronize()
+        reading = gpu.read()
+        process = reading.bytes / MIB if reading is not None else float("nan")
+        return {
+            "stack_bytes": stack_limit(),
+            "outside_allocator_mib": process - torch.cuda.memory_reserved() / MIB,
+        }
+
+    result: dict[str, Any] = {"checkpoint": args.checkpoint, "steps": {}}
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    result["steps"]["context"] = outside()
+    set_cuda_stack_limit(256)
+    model, _ = load_model(model_dir, "cuda")
+    use_fused_kernels(model)
+    result["steps"]["loaded, fused, stack 256"] = outside()
     with torch.inference_mode():
-        for name, run in paths(engine).items():
-            torch.cuda.synchronize()
-            set_cuda_stack_limit(256)
-            before = nvml()
+        for name, run in paths(model).items():
             run()
-            torch.cuda.synchronize()
-            result["paths"][name] = {
-                "stack_bytes": stack_limit(),
-                "process_mib_before": before,
-                "after": nvml(),
-            }
-            print(name, result["paths"][name], flush=True)
+            result["steps"][name] = outside()
+            print(name, result["steps"][name], flush=True)
+    del model
+    engine = Engine.from_dir(model_dir, device="cuda")
+    result["plan"] = engine.plan.describe() if engine.plan else None
+    result["steps"]["+ an engine booted beside it"] = outside()
     (args.out / f"stack-{args.checkpoint}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result), flush=True)
 
