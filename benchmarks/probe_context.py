@@ -4,7 +4,8 @@
 
 The process's own GPU memory (NVML) after CUDA init, after cuBLAS, after SDPA, and after lowering
 the per-thread stack limit (cudaLimitStackSize, which sizes the context's local-memory reserve) and
-the device heap (cudaLimitMallocHeapSize): the base every budget pays before any weight.
+the device heap (cudaLimitMallocHeapSize): the base every budget pays before any weight. Then what a
+second stream adds: one made by the CUDA runtime, and one from torch's stream pools.
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ def main() -> None:
     (a @ a).sum().item()
     torch.nn.functional.scaled_dot_product_attention(q, q, q)
     step("cublas and sdpa again")
+    # A side stream (the Unpacker's): one made by the CUDA runtime, then torch's own, which is taken
+    # from torch's stream pools (created, every stream of them, on the first such call).
+    raw = ctypes.c_void_p()
+    err = rt.cudaStreamCreateWithFlags(ctypes.byref(raw), 1)  # cudaStreamNonBlocking
+    side = torch.cuda.ExternalStream(raw.value)
+    with torch.cuda.stream(side):
+        (a + 1).sum().item()
+    step("one stream from the runtime, a kernel on it", cuda_error=err)
+    pooled = torch.cuda.Stream()
+    with torch.cuda.stream(pooled):
+        (a + 1).sum().item()
+    step("torch.cuda.Stream(), a kernel on it")
 
 
 if __name__ == "__main__":
