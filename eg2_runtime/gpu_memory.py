@@ -88,11 +88,17 @@ def set_cuda_stack_limit(nbytes: int) -> bool:
     SDPA running after it (benchmarks/probe_context.py, 2026-12-01). A kernel that needs a deeper
     stack makes the driver grow the reservation when it launches, so the limit costs no kernel.
     """
-    with open("/proc/self/maps") as maps:  # the CUDA runtime torch loaded, wherever it lives
-        paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
-    if not paths:
+    runtime = cudart()
+    if runtime is None:
         return False
-    err = ctypes.CDLL(paths[0]).cudaDeviceSetLimit(CUDA_LIMIT_STACK_SIZE, ctypes.c_size_t(nbytes))
+    err = runtime.cudaDeviceSetLimit(CUDA_LIMIT_STACK_SIZE, ctypes.c_size_t(nbytes))
     if err:
         log.warning("cudaDeviceSetLimit(stack, %d) failed with CUDA error %d", nbytes, err)
     return err == 0
+
+
+def cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded, wherever it lives; None where none is loaded."""
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    return ctypes.CDLL(paths[0]) if paths else None

@@ -36,6 +36,7 @@ import torch
 
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
 from eg2_runtime.model import pool
+from eg2_runtime.streams import side_stream
 from eg2_runtime.text import TextEncoder
 
 log = logging.getLogger(__name__)
@@ -198,9 +199,10 @@ _WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for every capture's warm-up run. cuBLAS keeps a workspace (32 MiB
     on the H200) per stream it has run on, for the life of the process: a new stream per capture
-    left 32 MiB behind each time (13 start-up captures: 416 MiB, benchmarks/probe_costs.py)."""
+    left 32 MiB behind each time (13 start-up captures: 416 MiB, benchmarks/probe_costs.py). Made by
+    the CUDA runtime, not taken from torch's pools (streams.py)."""
     if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+        _WARMUP_STREAMS[device] = side_stream(device)
     return _WARMUP_STREAMS[device]
 
 

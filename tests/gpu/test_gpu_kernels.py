@@ -125,3 +125,50 @@ def test_fused_vision_tower_in_cuda_graphs(w4: Path, results: Path | None) -> No
     assert captured, f"no tower graph was captured: {list(towers.graphs)}"
     assert torch.equal(graphed, again), "two replays of one graph differ"
     assert cos >= 1 - 1e-5, f"graphed fused tower vs eager: min token cosine {cos:.7f} < 1 - 1e-5"
+
+
+SIDE_STREAM_SCRIPT = """
+import json
+import torch
+from eg2_runtime.gpu_memory import ProcessGpuMemory
+mem = ProcessGpuMemory()
+from eg2_runtime.streams import side_stream
+
+def now():
+    torch.cuda.synchronize()
+    return mem.read().bytes / 2**20
+
+a = torch.ones(1 << 20, device="cuda")
+(a + 1).sum().item()  # the kernels load here, before anything is counted
+before = now()
+ours = side_stream(torch.device("cuda"))
+with torch.cuda.stream(ours):
+    (a + 2).sum().item()
+after_ours = now()
+pooled = torch.cuda.Stream()
+with torch.cuda.stream(pooled):
+    (a + 3).sum().item()
+print(json.dumps({
+    "external": isinstance(ours, torch.cuda.ExternalStream),
+    "side_stream_mib": after_ours - before,
+    "torch_pool_stream_mib": now() - after_ours,
+}))
+"""
+
+
+def test_side_streams_are_the_runtimes_not_torchs_pools(results: Path | None) -> None:
+    """The engine's side streams (streams.side_stream) are made by the CUDA runtime, and cost the
+    process less GPU memory than the first stream from torch's pools, which creates every stream of
+    them. A fresh process, so nothing before it made the pools."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", SIDE_STREAM_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    record(results, "gpu_side_streams", figures)
+    assert figures["external"]
+    assert figures["side_stream_mib"] < figures["torch_pool_stream_mib"] / 2, figures
