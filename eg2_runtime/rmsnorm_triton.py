@@ -78,7 +78,8 @@ def _add_rms_norm_kernel(
     y_ptr,  # (rows, n) contiguous: the branch output, normalized before the add
     wy_ptr,  # (n,) y's norm weight, or a dummy
     ws_ptr,  # (n,) the sum's norm weight, or a dummy
-    sum_ptr,  # (rows, n) out: x + norm(y)
+    scale_ptr,  # (1,) what the sum is multiplied by when HAS_SCALE, or a dummy
+    sum_ptr,  # (rows, n) out: x + norm(y), times the scale
     normed_ptr,  # (rows, n) out: norm(x + norm(y)) when HAS_SUM_NORM, else a dummy
     rows,
     n,
@@ -87,6 +88,7 @@ def _add_rms_norm_kernel(
     HAS_Y_WEIGHT: tl.constexpr,
     HAS_SUM_NORM: tl.constexpr,
     HAS_SUM_WEIGHT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -100,6 +102,10 @@ def _add_rms_norm_kernel(
     s = s + _normalize(y, wy_ptr, cols, n, y_eps, HAS_Y_WEIGHT, ROUND_BF16)
     if ROUND_BF16:
         s = round_to_bf16(s)  # the sum is a BF16 tensor in the reference, then normalized
+    if HAS_SCALE:
+        s = s * tl.load(scale_ptr).to(tl.float32)
+        if ROUND_BF16:
+            s = round_to_bf16(s)  # the product is a BF16 tensor too
     tl.store(sum_ptr + at, s.to(sum_ptr.dtype.element_ty), mask=inside)
     if HAS_SUM_NORM:
         h = _normalize(s, ws_ptr, cols, n, sum_eps, HAS_SUM_WEIGHT, ROUND_BF16)
@@ -148,15 +154,20 @@ def add_rms_norm(
     y_eps: float,
     sum_weight: torch.Tensor | None = None,
     sum_eps: float | None = None,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`s = x + rms_norm(y, y_weight, y_eps)` and, given `sum_eps`, `rms_norm(s, sum_weight, sum_eps)`
-    in one pass: a residual add after a post-norm, and the next block's pre-norm of the new stream.
+    """`s = x + rms_norm(y, y_weight, y_eps)`, times the one-element `scale` where given, and, given
+    `sum_eps`, `rms_norm(s, sum_weight, sum_eps)` in one pass: a residual add after a post-norm (a
+    text layer's last add with its layer scalar), and the next block's pre-norm of the new stream.
 
     Reads x and y once, writes s (and its norm) once; the reference reads and writes each
-    intermediate. Same rounding points as the reference: norm(y) rounded, the sum rounded, then
-    normalized. Returns (s, norm(s) or None), contiguous, x's dtype and shape.
+    intermediate. Same rounding points as the reference: norm(y) rounded, the sum rounded, the
+    product with the scale rounded, then normalized. Returns (s, norm(s) or None), contiguous, x's
+    dtype and shape.
     """
     _check_dtype(x)
+    if scale is not None and scale.numel() != 1:
+        raise ValueError(f"scale must hold one value, not {tuple(scale.shape)}")
     if y.shape != x.shape or y.dtype != x.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and y {tuple(y.shape)} {y.dtype} must match")
     n = x.shape[-1]
@@ -170,6 +181,7 @@ def add_rms_norm(
         y2,
         y_weight if y_weight is not None else x2,
         sum_weight if sum_weight is not None else x2,
+        scale if scale is not None else x2,
         total,
         normed if normed is not None else total,
         rows,
@@ -179,6 +191,7 @@ def add_rms_norm(
         HAS_Y_WEIGHT=y_weight is not None,
         HAS_SUM_NORM=sum_eps is not None,
         HAS_SUM_WEIGHT=sum_weight is not None,
+        HAS_SCALE=scale is not None,
         ROUND_BF16=x.dtype == torch.bfloat16,
         BLOCK_ROWS=block_rows,
         BLOCK=block,

@@ -181,26 +181,46 @@ class TextLayer(nn.Module):
         return self.after_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, mask), ple)
 
     def forward_packed(
-        self, x: torch.Tensor, ple: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
-    ) -> torch.Tensor:
-        attn = self.self_attn.forward_packed(self.input_layernorm(x), cos, sin, attend)
-        return self.after_attention(x, attn, ple)
+        self,
+        x: torch.Tensor,
+        ple: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        normed: torch.Tensor | None = None,
+        then: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(N, H) stream -> (the new stream, then(new stream) or None). `normed`: input_layernorm(x)
+        where the layer before made it; `then`: the norm applied to this layer's output next (the
+        next layer's input norm, the encoder's final norm), made here with the last residual add
+        when fused, else left to the caller (None)."""
+        h = normed if normed is not None else self.input_layernorm(x)
+        attn = self.self_attn.forward_packed(h, cos, sin, attend)
+        return self._after_attention(x, attn, ple, then)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         """The per-token rest of the layer: residual, MLP block, PLE gate, layer scalar."""
+        return self._after_attention(x, attn, ple, None)[0]
+
+    def _after_attention(
+        self, x: torch.Tensor, attn: torch.Tensor, ple: torch.Tensor, then: RMSNorm | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.fused is None:
             x = x + self.post_attention_layernorm(attn)
             x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
             x = self.ple_block(x, ple)
-            return x * self.layer_scalar
+            return x * self.layer_scalar, None
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         x, h = self.fused(x, attn, post.weight, post.eps, pre.weight, pre.eps)
         assert h is not None
         post = self.post_feedforward_layernorm
         x = self.fused(x, self.mlp(h), post.weight, post.eps, None, None)[0]
+        # The PLE add, the layer scalar and the next norm in one kernel.
         post = self.ple_block.post_per_layer_input_norm
-        x = self.fused(x, self.ple_block.update(x, ple), post.weight, post.eps, None, None)[0]
-        return x * self.layer_scalar
+        update = self.ple_block.update(x, ple)
+        if then is None:
+            return self.fused(x, update, post.weight, post.eps, scale=self.layer_scalar)
+        return self.fused(x, update, post.weight, post.eps, then.weight, then.eps, scale=self.layer_scalar)
 
 
 class PerLayerEmbeddings(nn.Module):
@@ -331,8 +351,9 @@ class TextEncoder(nn.Module):
         # (3 kernels in all, where a slice per layer takes 3 a layer); past it, each layer's slice
         # when the layer runs, as the lean path: all of them hold 24 KiB a token.
         ples = self.ple(embeds) if embeds.shape[0] <= PLE_UPFRONT_TOKENS else None  # (N, L, P)
-        x = embeds
-        for i, layer in enumerate(self.layers):
+        layers = [cast(TextLayer, layer) for layer in self.layers]
+        x, h = embeds, None  # the stream, and its input norm where the layer before made it
+        for i, layer in enumerate(layers):
             kind = cfg.layer_types[i]
             key = (kind, cfg.head_dims[i])
             if key not in rope:
@@ -340,8 +361,9 @@ class TextEncoder(nn.Module):
                 rope[key] = rope_cos_sin(packing.positions, cfg.head_dims[i], cfg.rope_thetas[kind], x.dtype)
             attend = functools.partial(attention, kind)
             ple = ples[:, i] if ples is not None else self.ple.layer(embeds, i)  # (N, P)
-            x = cast(TextLayer, layer).forward_packed(x, ple, *rope[key], attend)
-        return self.embedding_projection(self.norm(x))
+            then = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            x, h = layer.forward_packed(x, ple, *rope[key], attend, normed=h, then=then)
+        return self.embedding_projection(h if h is not None else self.norm(x))
 
 
 @dataclass(frozen=True)

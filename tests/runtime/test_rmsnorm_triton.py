@@ -100,6 +100,15 @@ ADD_RMS_NORM = PRELUDE + textwrap.dedent(
             total, normed = add_rms_norm(xd, yd, None, 1e-6, None, 1e-6)  # parameter-free norms
             check((shape, dtype, "bare sum"), total, xd + bare.reference(yd))
             check((shape, dtype, "bare norm of sum"), normed, bare.reference(xd + bare.reference(yd)))
+            # A text layer's last add: the sum times its layer scalar, then the next layer's norm.
+            scalar = torch.tensor([0.73], dtype=dtype)
+            ref_scaled = ref_sum * scalar
+            total, normed = add_rms_norm(xd, yd, post.weight, post.eps, pre.weight, pre.eps, scale=scalar)
+            check((shape, dtype, "scaled sum"), total, ref_scaled)
+            check((shape, dtype, "norm of scaled sum"), normed, pre.reference(ref_scaled))
+            total, none = add_rms_norm(xd, yd, post.weight, post.eps, scale=scalar)
+            assert none is None
+            check((shape, dtype, "scaled sum alone"), total, ref_scaled)
     print("ok")
     """
 )
