@@ -193,17 +193,12 @@ def capture_graph(
     return graph, out
 
 
-_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for every capture's warm-up run. cuBLAS keeps a workspace (32 MiB
     on the H200) per stream it has run on, for the life of the process: a new stream per capture
     left 32 MiB behind each time (13 start-up captures: 416 MiB, benchmarks/probe_costs.py). Made by
     the CUDA runtime, not taken from torch's pools (streams.py)."""
-    if device not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[device] = side_stream(device)
-    return _WARMUP_STREAMS[device]
+    return side_stream(device, "capture")
 
 
 @dataclass

@@ -6,7 +6,7 @@ Module and parameter names match the Hugging Face checkpoint, so a state dict lo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,51 +83,86 @@ class GatedMLP(nn.Module):
         self.up_proj = make(hidden, intermediate, **kw)
         self.down_proj = make(intermediate, hidden, **kw)
         self.fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        self.gate_up: torch.Tensor | None = None  # (2 I, H): gate's rows, then up's (merge_gate_up)
+        self.gate_up: MergedWeight | None = None  # (2 I, H): gate's rows, then up's (merge_gate_up)
 
     def merges(self) -> dict[str, tuple[str, ...]]:
         """The merged weight (`gate_up`) and the Linears that view it, which the loader lays end to
-        end as it loads them (`merge_weights`). Only plain bias-free Linears merge: a packed or
-        clamped projection runs its own forward."""
-        gate, up = self.gate_proj, self.up_proj
-        plain = type(gate) is nn.Linear and type(up) is nn.Linear and gate.bias is None and up.bias is None
-        return {"gate_up": ("gate_proj", "up_proj")} if plain else {}
+        end as it loads them. Only plain bias-free Linears merge: a packed or clamped projection
+        runs its own forward."""
+        return {"gate_up": ("gate_proj", "up_proj")} if plain_linears(self.gate_proj, self.up_proj) else {}
 
     def merge_gate_up(self) -> None:
         """The fused path makes gate and up with one matmul of `gate_up` (merge_weights)."""
         merge_weights(self, self.merges())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.gate_up is not None:
+        if (
+            self.fused is not None
+            and self.gate_up is not None
+            and self.gate_up.live(self.gate_proj, self.up_proj)
+        ):
             # Two views of one (..., 2 I) product: the kernel reads each in place.
-            gate, up = F.linear(x, self.gate_up).split(self.intermediate, dim=-1)
+            gate, up = F.linear(x, self.gate_up.weight).split(self.intermediate, dim=-1)
             return self.down_proj(self.fused(gate, up))
         if self.fused is not None:
             return self.down_proj(self.fused(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
-def merge_weights(
-    module: nn.Module, merges: dict[str, tuple[str, ...]], device: torch.device | None = None
-) -> None:
-    """For each `attr: linears` of `merges`, give `module.attr` one (sum of out, in) weight with the
-    Linears' weights end to end, on `device` (default: where they are), and have each Linear view its
-    rows, so nothing is held twice. The loader merges on the host as it loads, moving each merged
-    weight to the device once; a later call (fused kernels switched on for a model built otherwise)
-    merges in place on the device. What is merged stays merged."""
+def plain_linears(*modules: nn.Module) -> bool:
+    """Whether every module is a plain bias-free nn.Linear (what can share a merged weight)."""
+    return all(type(m) is nn.Linear and m.bias is None for m in modules)
+
+
+class MergedWeight:
+    """One (sum of out, in) weight whose rows the Linears it was made from view, end to end: one
+    matmul makes all their outputs, and nothing is held twice.
+
+    `live(*linears)`: whether those Linears still view it. A model moved (`.to()`) or given new
+    weights after the merge no longer does; its fused path then runs the Linears one by one, with
+    the weights they hold.
+    """
+
+    def __init__(self, weight: torch.Tensor, linears: Sequence[nn.Module]) -> None:
+        self.weight = weight
+        self._views = tuple(_weight(m).data_ptr() for m in linears)
+
+    def live(self, *linears: nn.Module) -> bool:
+        return tuple(_weight(m).data_ptr() for m in linears) == self._views
+
+
+def _weight(m: nn.Module) -> torch.Tensor:
+    w = m.weight
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
+def end_to_end(
+    parts: Sequence[torch.Tensor], device: torch.device | str
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(out_i, in) weights -> their rows end to end on `device`, and each one's rows as a view of it."""
+    merged = torch.cat(list(parts)).to(device)
+    views, start = [], 0
+    for p in parts:
+        views.append(merged[start : start + p.shape[0]])
+        start += p.shape[0]
+    return merged, views
+
+
+def merge_weights(module: nn.Module, merges: dict[str, tuple[str, ...]]) -> None:
+    """For each `attr: linears` of `merges`, give `module.attr` a MergedWeight of the Linears'
+    weights and have each Linear view its rows. For a model built otherwise than by the loader, which
+    merges as it loads (the fused kernels switched on for it); a live merge is kept."""
     for attr, names in merges.items():
-        if getattr(module, attr) is not None:
-            continue
         linears = [module.get_submodule(n) for n in names]
-        weights = [m.weight.detach() for m in linears if isinstance(m, nn.Linear)]
-        if len(weights) != len(linears):
-            raise TypeError(f"only plain Linears merge: {names}")
-        merged = torch.cat(weights).to(device or weights[0].device)
-        start = 0
-        for m, w in zip(linears, weights, strict=True):
-            m.weight = nn.Parameter(merged[start : start + w.shape[0]], requires_grad=False)
-            start += w.shape[0]
-        setattr(module, attr, merged)
+        current = getattr(module, attr)
+        if isinstance(current, MergedWeight) and current.live(*linears):
+            continue
+        weights = [_weight(m).detach() for m in linears]
+        merged, views = end_to_end(weights, weights[0].device)
+        for m, view in zip(linears, views, strict=True):
+            m.weight = nn.Parameter(view, requires_grad=False)
+        setattr(module, attr, MergedWeight(merged, linears))
 
 
 def _plain_linear(in_features: int, out_features: int) -> nn.Linear:

@@ -3,7 +3,8 @@
 What is packed is decided per layer from what is stored (a `<name>.weight_packed` tensor), never
 from layer types. A plain BF16 checkpoint loads as BF16, or packed at load time with `pack=True`.
 Tensors are read one at a time from the memory-mapped safetensors file and moved straight to the
-device, so no full copy of the weights is ever held in host RAM.
+device, so no full copy of the weights is ever held in host RAM; the projections a module holds
+merged wait on the host only until their group (one layer's) is complete.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors import safe_open
 
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError
-from eg2_runtime.layers import GatedMLP, merge_weights
+from eg2_runtime.layers import GatedMLP, MergedWeight, end_to_end
 from eg2_runtime.model import EG2Model
 from eg2_runtime.quant import PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
 from eg2_runtime.text import TextAttention
@@ -161,16 +162,17 @@ def load_model(
     wanted = {n: t for n, t in stored.items() if _loaded(model, n)}
     _check_names_and_shapes(expected, wanted)
 
-    # Weights some modules hold merged (text attention's q, k, v; a plain MLP's gate and up): read
-    # on the host, then laid end to end and moved to the device once (merge_weights), so the
-    # device never holds them twice.
-    merged = {
-        f"{prefix}.{linear}.weight"
-        for prefix, module in model.named_modules()
-        if isinstance(module, MERGING)
-        for linears in module.merges().values()
-        for linear in linears
-    }
+    # Weights some modules hold merged (text attention's q, k, v; a plain MLP's gate and up) are laid
+    # end to end on the host as their group completes (one layer's projections at a time) and moved
+    # to the device once, so the device never holds them twice.
+    groups: dict[str, tuple[torch.nn.Module, str, list[str]]] = {}  # module.attr -> (module, attr, names)
+    for prefix, module in model.named_modules():
+        if isinstance(module, MERGING):
+            for attr, linears in module.merges().items():
+                groups[f"{prefix}.{attr}"] = (module, attr, [f"{prefix}.{n}.weight" for n in linears])
+    group_of = {name: key for key, (_, _, names) in groups.items() for name in names}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    merged: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     handles: dict[Path, object] = {}
     try:
@@ -183,14 +185,28 @@ def load_model(
                 name.endswith((".weight_packed", ".weight_scale", ".weight_shape"))
                 or not t.is_floating_point()
             )
-            state[name] = t.to("cpu" if name in merged else dev, dtype=None if keep else cdtype)
+            if name not in group_of:
+                state[name] = t.to(dev, dtype=None if keep else cdtype)
+                continue
+            key = group_of[name]
+            parts = pending.setdefault(key, {})
+            parts[name] = t.to(dtype=cdtype)
+            names = groups[key][2]
+            if len(parts) == len(names):
+                merged[key], views = end_to_end([parts[n] for n in names], dev)
+                state.update(zip(names, views, strict=True))
+                del pending[key]
     except Exception as e:  # safetensors raises its own error types on corrupt data
         raise CheckpointError(f"could not read the weights: {e}") from None
     model.load_state_dict(state, strict=True, assign=True)
     del state, handles
-    for module in model.modules():
-        if isinstance(module, MERGING):
-            merge_weights(module, module.merges(), dev)
+    for key, weight in merged.items():
+        module, attr, names = groups[key]
+        setattr(
+            module,
+            attr,
+            MergedWeight(weight, [model.get_submodule(n.removesuffix(".weight")) for n in names]),
+        )
 
     if pack:
         with torch.no_grad():

@@ -38,13 +38,18 @@ def _gelu_tanh_mul_kernel(
     up_stride,
     K_BETA: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,  # both inputs are rows `width` apart: flat offsets, no division
     BLOCK: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < numel
-    row, col = i // width, i % width
-    g = tl.load(gate_ptr + row * gate_stride + col, mask=inside, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * up_stride + col, mask=inside, other=0.0).to(tl.float32)
+    if CONTIGUOUS:
+        g_at, u_at = i, i
+    else:
+        row, col = i // width, i % width
+        g_at, u_at = row * gate_stride + col, row * up_stride + col
+    g = tl.load(gate_ptr + g_at, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + u_at, mask=inside, other=0.0).to(tl.float32)
     inner = K_BETA * (g + 0.044715 * (g * g * g))
     y = g / (1.0 + tl.exp(-2.0 * inner))
     if ROUND_BF16:
@@ -65,9 +70,11 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the fused kernels take float32 or bfloat16, not {gate.dtype}")
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} differ")
-    g, u = _rows(gate), _rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    numel, width = out.numel(), gate.shape[-1]
+    if out.numel() == 0:
+        return out
+    g, u = _rows(gate.reshape(1) if gate.dim() == 0 else gate), _rows(up.reshape(1) if up.dim() == 0 else up)
+    numel, width = out.numel(), g.shape[-1]
     _gelu_tanh_mul_kernel[(triton.cdiv(numel, BLOCK),)](
         g,
         u,
@@ -78,6 +85,7 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         u.stride(0),
         K_BETA=SQRT_2_OVER_PI,
         ROUND_BF16=gate.dtype == torch.bfloat16,
+        CONTIGUOUS=g.stride(0) == width and u.stride(0) == width,
         BLOCK=BLOCK,
         num_warps=4,
     )

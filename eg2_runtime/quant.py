@@ -183,7 +183,7 @@ class Unpacker:
             numel = max(m.in_features * m.out_features for m in layers)
             self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
             self.scratch_bytes = 2 * numel * self.scratch[0].element_size()
-            self.stream = side_stream(device)  # not from torch's pools: see streams.py
+            self.stream = side_stream(device, "unpack")  # not from torch's pools: see streams.py
             self.main: torch.cuda.Stream | None = None  # the stream the towers run on
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]  # scratch[slot] holds its layer
             self.started = torch.cuda.Event()  # the main stream reached the layer that started last

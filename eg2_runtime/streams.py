@@ -4,7 +4,8 @@ Why: `torch.cuda.Stream()` takes a stream from torch's per-device pools, and the
 creates every stream of them. On the H200 that added 92 MiB to the process's GPU memory, where one
 stream made by the runtime added 22 MiB, a kernel run on each included (benchmarks/probe_context.py,
 2026-12-02). The engine keeps two side streams for the life of the process, the Unpacker's and the
-graph captures' warm-up stream; neither needs a pool.
+graph captures' warm-up stream; neither needs a pool. The runtime is the library torch loaded
+(gpu_memory.cudart), so it shares torch's context and current device.
 """
 
 from __future__ import annotations
@@ -21,20 +22,37 @@ log = logging.getLogger(__name__)
 CUDA_STREAM_NON_BLOCKING = 0x01  # as torch's pooled streams: no implicit sync with the legacy stream
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A new non-blocking stream on `device`, made by cudaStreamCreateWithFlags and never destroyed
-    (callers keep theirs for the life of the process). Falls back to torch's pools, with a warning,
-    where the runtime cannot be reached."""
-    runtime = cudart()
+_STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """The side stream on `device` for `purpose` ("unpack", "capture"): one per pair for the life of
+    the process, non-blocking, made by cudaStreamCreateWithFlags (a model loaded twice shares it).
+    Falls back to torch's pools, with a warning, where the runtime cannot be reached."""
+    device = torch.device(
+        device.type, device.index if device.index is not None else torch.cuda.current_device()
+    )
+    key = (device, purpose)
+    if key not in _STREAMS:
+        _STREAMS[key] = _make(device)
+    return _STREAMS[key]
+
+
+def _make(device: torch.device) -> torch.cuda.Stream:
     raw = ctypes.c_void_p()
-    with torch.cuda.device(device):
-        torch.cuda.init()
-        err = (
-            -1
-            if runtime is None
-            else runtime.cudaStreamCreateWithFlags(ctypes.byref(raw), CUDA_STREAM_NON_BLOCKING)
-        )
-    if err:
-        log.warning("cudaStreamCreateWithFlags failed (%s): a side stream from torch's pools", err)
+    try:
+        runtime = cudart()
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            err = (
+                None
+                if runtime is None
+                else runtime.cudaStreamCreateWithFlags(ctypes.byref(raw), CUDA_STREAM_NON_BLOCKING)
+            )
+    except OSError as e:
+        runtime, err = None, str(e)
+    if runtime is None or err:
+        why = "the CUDA runtime library was not found" if runtime is None and err is None else f"error {err}"
+        log.warning("no side stream from the CUDA runtime (%s): one from torch's pools", why)
         return torch.cuda.Stream(device)
     return torch.cuda.ExternalStream(raw.value, device=device)

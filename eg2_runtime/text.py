@@ -23,7 +23,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from eg2_runtime.config import FULL, SLIDING, TextConfig
-from eg2_runtime.layers import GatedMLP, RMSNorm, apply_rope, key_padding_mask, merge_weights, rope_cos_sin
+from eg2_runtime.layers import (
+    GatedMLP,
+    MergedWeight,
+    RMSNorm,
+    apply_rope,
+    key_padding_mask,
+    merge_weights,
+    plain_linears,
+    rope_cos_sin,
+)
 from eg2_runtime.packed_attention import PackedAttention
 from eg2_runtime.packing import Packing
 
@@ -62,11 +71,13 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
         self.fused: QkvNormRope | None = None
-        self.qkv: torch.Tensor | None = None  # ((nh + 2 kv) hd, H): q's rows, k's, v's (merge_qkv)
+        self.qkv: MergedWeight | None = None  # ((nh + 2 kv) hd, H): q's rows, k's, v's (merge_qkv)
 
     def merges(self) -> dict[str, tuple[str, ...]]:
-        """The merged weight (`qkv`) and the Linears that view it (layers.merge_weights)."""
-        return {"qkv": ("q_proj", "k_proj", "v_proj")}
+        """The merged weight (`qkv`) and the Linears that view it, which the loader lays end to end
+        as it loads them; none where a projection is not a plain Linear (stored packed, say)."""
+        plain = plain_linears(self.q_proj, self.k_proj, self.v_proj)
+        return {"qkv": ("q_proj", "k_proj", "v_proj")} if plain else {}
 
     def merge_qkv(self) -> None:
         """The fused path makes q, k and v with one matmul of `qkv` (layers.merge_weights)."""
@@ -114,8 +125,10 @@ class TextAttention(nn.Module):
             q, k, v = self.project(x)  # (N, nh or kv, hd)
             q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
         else:
-            # (N, (nh + 2 kv) hd); unmerged (fused by hand, not by use_fused_kernels), three matmuls
-            qkv = F.linear(x, self.qkv) if self.qkv is not None else torch.cat(self.project_raw(x), dim=-1)
+            # (N, (nh + 2 kv) hd): one matmul where the merged weight is live, else three
+            live = self.qkv is not None and self.qkv.live(self.q_proj, self.k_proj, self.v_proj)
+            w = self.qkv.weight if live and self.qkv is not None else None
+            qkv = F.linear(x, w) if w is not None else torch.cat(self.project_raw(x), dim=-1)
             norms = (self.q_norm, self.k_norm, self.v_norm)
             q, k, v = self.fused(
                 qkv,

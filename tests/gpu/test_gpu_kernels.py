@@ -141,7 +141,7 @@ def now():
 a = torch.ones(1 << 20, device="cuda")
 (a + 1).sum().item()  # the kernels load here, before anything is counted
 before = now()
-ours = side_stream(torch.device("cuda"))
+ours = side_stream(torch.device("cuda"), "test")
 with torch.cuda.stream(ours):
     (a + 2).sum().item()
 after_ours = now()

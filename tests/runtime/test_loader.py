@@ -46,7 +46,7 @@ def test_merged_projections_hold_the_stored_weights_once(tiny_bf16: Path) -> Non
     for name, m in model.named_modules():
         if isinstance(m, (TextAttention, GatedMLP)) and m.merges():
             for attr, linears in m.merges().items():
-                whole = getattr(m, attr)
+                whole = getattr(m, attr).weight
                 parts = [stored[f"{name}.{linear}.weight"].to(torch.bfloat16) for linear in linears]
                 assert torch.equal(whole, torch.cat(parts)), (name, attr)
                 for linear in linears:
@@ -56,6 +56,44 @@ def test_merged_projections_hold_the_stored_weights_once(tiny_bf16: Path) -> Non
     assert merged == 2 * model.config.text.num_layers
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.parameters()}
     assert sum(storages.values()) == report.resident_bytes - sum(b.nbytes for b in model.buffers())
+
+
+def test_a_merged_weight_given_up_is_not_used_and_merges_again(tiny_bf16: Path) -> None:
+    """A Linear given a new weight after load no longer views the merged one: the fused path must not
+    read the stale rows (`live` says so), and merging again lays the new weights end to end."""
+    from torch import nn
+
+    from eg2_runtime.layers import merge_weights
+    from eg2_runtime.text import TextAttention
+
+    model, _ = load_model(tiny_bf16, "cpu", modalities={"text"}, dtype=torch.float32)
+    attn = next(m for m in model.modules() if isinstance(m, TextAttention))
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    assert attn.qkv is not None and attn.qkv.live(*projections)
+    attn.q_proj.weight = nn.Parameter(attn.q_proj.weight * 2, requires_grad=False)
+    assert not attn.qkv.live(*projections)
+    merge_weights(attn, attn.merges())
+    assert attn.qkv.live(*projections)
+    assert torch.equal(attn.qkv.weight[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)
+
+
+def test_a_text_projection_stored_packed_loads_unmerged(tiny_bf16: Path, tmp_path: Path) -> None:
+    """A checkpoint may store any Linear packed; a text attention with one packed projection keeps
+    its three matmuls (nothing to merge) instead of failing to load."""
+    from eg2_runtime.quant import quantize
+    from eg2_runtime.text import TextAttention
+
+    name = "language_model.layers.0.self_attn.q_proj"
+
+    def pack_one(tensors: dict[str, torch.Tensor]) -> None:
+        w = tensors.pop(f"{name}.weight")
+        tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"] = quantize(w, 32)
+        tensors[f"{name}.weight_shape"] = torch.tensor(list(w.shape))
+
+    model, _ = load_model(_copy_with(tiny_bf16, tmp_path / "m", pack_one), "cpu", modalities={"text"})
+    attn = model.get_submodule("language_model.layers.0.self_attn")
+    assert isinstance(attn, TextAttention) and isinstance(attn.q_proj, PackedLinear)
+    assert attn.qkv is None and attn.merges() == {}
 
 
 def test_text_only_loads_no_tower(tiny_w4: Path) -> None:

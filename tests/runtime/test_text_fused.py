@@ -59,9 +59,9 @@ SCRIPT = textwrap.dedent(
             if isinstance(m, (TextAttention, TextLayer, PLEBlock)):
                 assert m.fused is not None, type(m)
             if isinstance(m, TextAttention):  # the merged weight, which the three Linears view
-                assert m.qkv is not None and m.q_proj.weight.data_ptr() == m.qkv.data_ptr()
+                assert m.qkv is not None and m.qkv.live(m.q_proj, m.k_proj, m.v_proj)
             if isinstance(m, GatedMLP):
-                assert m.gate_up is not None and m.gate_proj.weight.data_ptr() == m.gate_up.data_ptr()
+                assert m.gate_up is not None and m.gate_up.live(m.gate_proj, m.up_proj)
         for upfront in (256, 0):
             text.PLE_UPFRONT_TOKENS = upfront
             fused = run(encoder, dtype)
