@@ -125,10 +125,15 @@ class MergedWeight:
 
     def __init__(self, weight: torch.Tensor, linears: Sequence[nn.Module]) -> None:
         self.weight = weight
-        self._views = tuple(_weight(m).data_ptr() for m in linears)
+        self._views = tuple(_where(_weight(m)) for m in linears)
 
     def live(self, *linears: nn.Module) -> bool:
-        return tuple(_weight(m).data_ptr() for m in linears) == self._views
+        return tuple(_where(_weight(m)) for m in linears) == self._views
+
+
+def _where(w: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """A weight's address, shape and strides: a view of other rows (or fewer) differs in one."""
+    return w.data_ptr(), tuple(w.shape), w.stride()
 
 
 def _weight(m: nn.Module) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 
 import torch
 
@@ -23,19 +24,22 @@ CUDA_STREAM_NON_BLOCKING = 0x01  # as torch's pooled streams: no implicit sync w
 
 
 _STREAMS: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
+_LOCK = threading.Lock()  # engines built on two threads at once get the same stream
 
 
 def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     """The side stream on `device` for `purpose` ("unpack", "capture"): one per pair for the life of
-    the process, non-blocking, made by cudaStreamCreateWithFlags (a model loaded twice shares it).
+    the process, non-blocking, made by cudaStreamCreateWithFlags. A model loaded twice shares it,
+    which assumes what the service does: one engine's thread drives the GPU.
     Falls back to torch's pools, with a warning, where the runtime cannot be reached."""
     device = torch.device(
         device.type, device.index if device.index is not None else torch.cuda.current_device()
     )
     key = (device, purpose)
-    if key not in _STREAMS:
-        _STREAMS[key] = _make(device)
-    return _STREAMS[key]
+    with _LOCK:
+        if key not in _STREAMS:
+            _STREAMS[key] = _make(device)
+        return _STREAMS[key]
 
 
 def _make(device: torch.device) -> torch.cuda.Stream:

@@ -70,7 +70,10 @@ def test_a_merged_weight_given_up_is_not_used_and_merges_again(tiny_bf16: Path) 
     attn = next(m for m in model.modules() if isinstance(m, TextAttention))
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     assert attn.qkv is not None and attn.qkv.live(*projections)
-    attn.q_proj.weight = nn.Parameter(attn.q_proj.weight * 2, requires_grad=False)
+    rows = attn.q_proj.weight.shape[0]
+    attn.q_proj.weight = nn.Parameter(attn.qkv.weight[: rows // 2], requires_grad=False)  # same address
+    assert not attn.qkv.live(*projections)
+    attn.q_proj.weight = nn.Parameter(attn.qkv.weight[:rows] * 2, requires_grad=False)
     assert not attn.qkv.live(*projections)
     merge_weights(attn, attn.merges())
     assert attn.qkv.live(*projections)
