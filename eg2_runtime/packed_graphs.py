@@ -31,11 +31,14 @@ from eg2_runtime.packing import Packing
 from eg2_runtime.text import TextEncoder
 
 # Finer rungs where most batches land; each rung is one graph (~4 MiB of executable beside the
-# activations the pool's largest graph already holds, memory_plan.GRAPH_EXECUTABLE).
+# activations the pool's largest graph already holds, memory_plan.GRAPH_EXECUTABLE). Between 2,048
+# and 4,096 tokens the rungs are 256 apart, so a long document pads by at most 1/8 (a 2,200-token
+# one to 2,304, not 2,560); the start-up set leaves out the in-between ones (FIRST_USE).
 TOKEN_LADDER = (
     *(32, 64, 128, 192, 256, 384, 512, 768),
-    *(1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384),
+    *(1024, 1536, *range(2048, 4096, 256), 4096, 5120, 6144, 8192, 10240, 12288, 16384),
 )
+FIRST_USE = (2304, 2816, 3328, 3584, 3840)  # captured when a batch first needs one, never at boot
 MAX_ITEMS = 64  # real items per replay; a larger batch replays in runs
 
 

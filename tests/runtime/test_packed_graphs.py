@@ -5,6 +5,7 @@ refusals must not move a vector beyond float rounding."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from eg2_runtime.graphs import GraphPool
 from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
 from eg2_runtime.model import pool
-from eg2_runtime.packed_graphs import MAX_ITEMS, TOKEN_LADDER, PackedTextGraphs, items_for, runs
+from eg2_runtime.packed_graphs import FIRST_USE, MAX_ITEMS, TOKEN_LADDER, PackedTextGraphs, items_for, runs
 from eg2_runtime.text import TextEncoder
 
 TOL = 1e-5  # FP32
@@ -145,6 +146,22 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_runs(encoder: Text
 def test_the_ladder_is_sorted_and_its_top_rungs_hold_a_full_run_and_its_pad_tail() -> None:
     assert list(TOKEN_LADDER) == sorted(set(TOKEN_LADDER))
     assert all(items_for(n) == MAX_ITEMS + 1 for n in TOKEN_LADDER if n >= 8 * (MAX_ITEMS + 1))
+
+
+def test_a_long_document_pads_by_at_most_an_eighth_and_the_start_up_set_keeps_its_size(
+    encoder: TextEncoder,
+) -> None:
+    """Between 2,048 and 4,096 tokens no rung is more than 1/8 above the one below it (a 2,200-token
+    document runs 2,304, not 2,560); the in-between rungs are left to first use, so the start-up set
+    is no larger than memory_plan.STARTUP_GRAPHS counts."""
+    from eg2_runtime.engine import STARTUP_TOKEN_BUCKETS
+    from eg2_runtime.memory_plan import STARTUP_GRAPHS
+
+    long = [n for n in TOKEN_LADDER if 2048 <= n <= 4096]
+    assert all(b <= a * 9 / 8 for a, b in pairwise(long))
+    assert PackedTextGraphs(encoder, max_tokens=4096, capture=False).bucket(2200, 1) == 2304
+    assert len(STARTUP_TOKEN_BUCKETS) + 2 <= STARTUP_GRAPHS
+    assert not set(FIRST_USE) & set(STARTUP_TOKEN_BUCKETS)
 
 
 def test_the_engine_packs_text_and_media_batches_as_the_padded_path_runs_them(tiny_fp32: Path) -> None:
