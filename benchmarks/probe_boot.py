@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from app.service import GPU_BATCH_TOKENS
-from benchmarks.workloads import WORDS, checkpoints
+from benchmarks import workloads
+from benchmarks.workloads import Factory, Input, checkpoints
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EngineOutOfMemory
@@ -31,21 +32,23 @@ from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import MIB
 
 
-def text(words: int, seed: int) -> Item:
-    rng = np.random.default_rng(seed)
-    return Item((TextPart(" ".join(str(w) for w in rng.choice(WORDS, size=words))),))
+def shapes(factory: Factory) -> dict[str, tuple[list[Item], PrepareOptions]]:
+    """The request shapes, texts cut to token counts by the checkpoint's tokenizer as `eg2 bench`
+    cuts them: the query, the 64 docs and the long document are its named workloads' own."""
 
+    def texts(*inputs: Input) -> list[Item]:
+        return [Item((TextPart(x.text or ""),)) for x in inputs]
 
-def shapes() -> dict[str, tuple[list[Item], PrepareOptions]]:
+    named = {w.key: w for w in workloads.named(factory, workloads.FULL)}
     image = Item((MediaPart("image", samples.png(641, 479)),))
     clip = Item((MediaPart("audio", samples.wav(9.3)),))
     return {
-        "query": ([text(14, 0)], PrepareOptions()),
-        "8 short": ([text(12 + i, i) for i in range(8)], PrepareOptions()),
-        "32 short": ([text(12 + i % 8, i) for i in range(32)], PrepareOptions()),
-        "64 docs": ([text(20 + (i * 7) % 40, i) for i in range(64)], PrepareOptions()),
-        "doc 2200": ([text(2100, 1)], PrepareOptions()),
-        "doc 8000": ([text(7800, 2)], PrepareOptions()),
+        "query": (texts(*named["short_query"].calls[0]), PrepareOptions()),
+        "8 short": (texts(*(factory.text(20, i) for i in range(8))), PrepareOptions()),
+        "32 short": (texts(*(factory.text(20, i) for i in range(32))), PrepareOptions()),
+        "64 docs": (texts(*named["docs_one_call"].calls[0]), PrepareOptions()),
+        "doc 2200": (texts(*named["long_doc"].calls[0]), PrepareOptions()),
+        "doc 8000": (texts(factory.text(8000, 2)), PrepareOptions()),
         "1 image": ([image], PrepareOptions()),
         "4 images": ([image] * 4, PrepareOptions()),
         "16 images": ([image] * 16, PrepareOptions()),
@@ -147,7 +150,7 @@ def main() -> None:
     out["start_graphs"], out["start_refused"] = sorted(graphs), sorted(refused)
     print(json.dumps(out), flush=True)
     rows: dict[str, Any] = {}
-    for name, (items, opts) in shapes().items():
+    for name, (items, opts) in shapes(Factory(engine.preprocessor)).items():
         if args.only and name not in args.only.split(","):
             continue
         kinds = {p.kind for i in items for p in i.parts if isinstance(p, MediaPart)}
