@@ -5,7 +5,7 @@
 Under 128 HTTP clients the server's text batches took 36 ms against ~4 ms in-process (`eg2 bench`,
 H200, 2026-12-01, commit bb2ac50). The event loop parsing requests holds the GIL; the engine's thread
 gives it up inside torch calls that wait or work long enough, and waits to get it back. This boots
-the engine as `eg2 serve` does, then times `Engine.embed` of one query and of 64 short texts while
+the engine as `eg2 serve` does, then times `Engine.embed` of one query and of 64 docs (eg2 bench's) while
 0, 1 or 2 threads run pure-Python work (JSON encoding and decoding, as an event loop under load
 does), at several GIL switch intervals (`sys.setswitchinterval`). Then, at a 5 ms interval, each
 step of one text batch alone, with and without a busy thread, the device synchronized after each
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from app.service import GPU_BATCH_TOKENS
-from benchmarks.probe_boot import text
+from benchmarks.probe_boot import shapes as boot_shapes
 from benchmarks.timing import host_median_ms
-from benchmarks.workloads import checkpoints
+from benchmarks.workloads import Factory, checkpoints
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import PrepareOptions
 
@@ -104,10 +104,8 @@ def main() -> None:
         engine = Engine.from_dir(w4, device="cuda", modalities={"text"})
     engine.warm_up(64, GPU_BATCH_TOKENS)
     engine.capture_graphs()
-    shapes = {
-        "1 query": [text(14, 0)],
-        "64 short texts": [text(12 + i % 8, i) for i in range(64)],
-    }
+    boot = boot_shapes(Factory(engine.preprocessor))  # eg2 bench's query and 64 docs
+    shapes = {"1 query": boot["query"][0], "64 docs": boot["64 docs"][0]}
     prepared: dict[str, list[Any]] = {
         k: list(engine.prepare_many(v, PrepareOptions())) for k, v in shapes.items()
     }
@@ -137,7 +135,7 @@ def main() -> None:
     import torch
 
     with torch.inference_mode():  # as Engine.embed runs: the static buffers are inference tensors
-        split = step_handoffs(engine, prepared["64 short texts"], max(5, args.rounds // 2))
+        split = step_handoffs(engine, prepared["64 docs"], max(5, args.rounds // 2))
     for name, row in split.items():
         print(json.dumps({"step": name, **row}), flush=True)
     out = {"rows": rows, "steps_64_short_texts": split}
