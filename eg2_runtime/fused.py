@@ -5,11 +5,11 @@ the one place that knows which kernel each gets:
 
 - RMSNorm: rmsnorm_triton.rms_norm (every tower);
 - GatedMLP: mlp_triton.gelu_tanh_mul (text and vision), after one matmul of gate and up merged
-  (`merge_gate_up`) where both are plain Linears (the text encoder's);
+  (`layers.merge_weights`) where both are plain Linears (the text encoder's);
 - VisionAttention: rope_triton.rms_norm_rope, q and k normalized and rotated in one kernel each;
 - VisionLayer: rmsnorm_triton.add_rms_norm, each residual add with the norms around it;
 - TextAttention: rope_triton.qkv_norm_rope on the packed path (text.TextAttention.forward_packed),
-  after one matmul of q, k and v merged (`merge_qkv`);
+  after one matmul of q, k and v merged (`layers.merge_weights`);
 - TextLayer: rmsnorm_triton.add_rms_norm, as VisionLayer, and the PLE block's add and norm (on the
   padded path too: EG2Model.forward of a fused model runs it);
 - PLEBlock: mlp_triton.gelu_tanh_mul, the gate's gelu times this layer's PLE slice.
@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from eg2_runtime.layers import GatedMLP, RMSNorm
-from eg2_runtime.text import PLEBlock, TextAttention, TextLayer
+from eg2_runtime.layers import GatedMLP, RMSNorm, merge_weights
+from eg2_runtime.text import MERGING, PLEBlock, TextAttention, TextLayer
 from eg2_runtime.vision import VisionAttention, VisionLayer
 
 FUSABLE = (RMSNorm, GatedMLP, VisionAttention, VisionLayer, TextAttention, TextLayer, PLEBlock)
@@ -41,10 +41,8 @@ def use_fused_kernels(model: nn.Module, enable: bool = True) -> int:
         if isinstance(m, FUSABLE):
             m.fused = kernels.get(type(m))
             fused += m.fused is not None
-            if m.fused is not None and isinstance(m, TextAttention):
-                m.merge_qkv()
-            if m.fused is not None and isinstance(m, GatedMLP):
-                m.merge_gate_up()
+            if m.fused is not None and isinstance(m, MERGING):
+                merge_weights(m, m.merges())
     return fused
 
 

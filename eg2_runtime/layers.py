@@ -83,7 +83,7 @@ class GatedMLP(nn.Module):
         self.up_proj = make(hidden, intermediate, **kw)
         self.down_proj = make(intermediate, hidden, **kw)
         self.fused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        self.gate_up: MergedWeight | None = None  # (2 I, H): gate's rows, then up's (merge_gate_up)
+        self.gate_up: MergedWeight | None = None  # (2 I, H): gate's rows, then up's (merge_weights)
 
     def merges(self) -> dict[str, tuple[str, ...]]:
         """The merged weight (`gate_up`) and the Linears that view it, which the loader lays end to
@@ -91,18 +91,13 @@ class GatedMLP(nn.Module):
         runs its own forward."""
         return {"gate_up": ("gate_proj", "up_proj")} if plain_linears(self.gate_proj, self.up_proj) else {}
 
-    def merge_gate_up(self) -> None:
-        """The fused path makes gate and up with one matmul of `gate_up` (merge_weights)."""
-        merge_weights(self, self.merges())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             self.fused is not None
-            and self.gate_up is not None
-            and self.gate_up.live(self.gate_proj, self.up_proj)
+            and (w := live_weight(self.gate_up, self.gate_proj, self.up_proj)) is not None
         ):
             # Two views of one (..., 2 I) product: the kernel reads each in place.
-            gate, up = F.linear(x, self.gate_up.weight).split(self.intermediate, dim=-1)
+            gate, up = F.linear(x, w).split(self.intermediate, dim=-1)
             return self.down_proj(self.fused(gate, up))
         if self.fused is not None:
             return self.down_proj(self.fused(self.gate_proj(x), self.up_proj(x)))
@@ -129,6 +124,11 @@ class MergedWeight:
 
     def live(self, *linears: nn.Module) -> bool:
         return tuple(_where(_weight(m)) for m in linears) == self._views
+
+
+def live_weight(merged: MergedWeight | None, *linears: nn.Module) -> torch.Tensor | None:
+    """`merged`'s weight while the Linears still view it, else None (run them one by one)."""
+    return merged.weight if merged is not None and merged.live(*linears) else None
 
 
 def _where(w: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

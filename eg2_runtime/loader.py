@@ -20,10 +20,10 @@ from safetensors import safe_open
 
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError
-from eg2_runtime.layers import GatedMLP, MergedWeight, end_to_end
+from eg2_runtime.layers import MergedWeight, end_to_end
 from eg2_runtime.model import EG2Model
 from eg2_runtime.quant import PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
-from eg2_runtime.text import TextAttention
+from eg2_runtime.text import MERGING
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +217,6 @@ def load_model(
         model.unpacker = Unpacker.attach(model, cdtype)
     log.info("loaded %s: %s", model_dir.name, report.summary())
     return model, report
-
-
-# The modules whose Linears can share one merged weight (their `merges()`).
-MERGING = (TextAttention, GatedMLP)
 
 
 def _loaded(model: EG2Model, name: str) -> bool:

@@ -73,7 +73,7 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
-    g, u = _rows(gate.reshape(1) if gate.dim() == 0 else gate), _rows(up.reshape(1) if up.dim() == 0 else up)
+    g, u = _rows(gate), _rows(up)
     numel, width = out.numel(), g.shape[-1]
     _gelu_tanh_mul_kernel[(triton.cdiv(numel, BLOCK),)](
         g,
@@ -94,7 +94,8 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """(..., width) -> a (rows, width) view with unit column stride, or a contiguous copy where the
-    leading dims do not flatten to one stride."""
+    leading dims do not flatten to one stride; a 0-dim tensor is one row of one."""
+    x = x.reshape(1) if x.dim() == 0 else x
     width = x.shape[-1]
     try:
         rows = x.view(-1, width)

@@ -46,17 +46,16 @@ def _make(device: torch.device) -> torch.cuda.Stream:
     raw = ctypes.c_void_p()
     try:
         runtime = cudart()
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            err = (
-                None
-                if runtime is None
-                else runtime.cudaStreamCreateWithFlags(ctypes.byref(raw), CUDA_STREAM_NON_BLOCKING)
-            )
+        if runtime is None:
+            why = "the CUDA runtime library was not found"
+        else:
+            with torch.cuda.device(device):
+                torch.cuda.init()  # the runtime makes the stream in torch's context
+                err = runtime.cudaStreamCreateWithFlags(ctypes.byref(raw), CUDA_STREAM_NON_BLOCKING)
+            if not err:
+                return torch.cuda.ExternalStream(raw.value, device=device)
+            why = f"CUDA error {err}"
     except OSError as e:
-        runtime, err = None, str(e)
-    if runtime is None or err:
-        why = "the CUDA runtime library was not found" if runtime is None and err is None else f"error {err}"
-        log.warning("no side stream from the CUDA runtime (%s): one from torch's pools", why)
-        return torch.cuda.Stream(device)
-    return torch.cuda.ExternalStream(raw.value, device=device)
+        why = str(e)
+    log.warning("no side stream from the CUDA runtime (%s): one from torch's pools", why)
+    return torch.cuda.Stream(device)

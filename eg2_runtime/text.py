@@ -29,7 +29,7 @@ from eg2_runtime.layers import (
     RMSNorm,
     apply_rope,
     key_padding_mask,
-    merge_weights,
+    live_weight,
     plain_linears,
     rope_cos_sin,
 )
@@ -53,7 +53,7 @@ AddNorm = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class TextAttention(nn.Module):
-    """`fused` (the packed path): q, k and v from one matmul of the merged weight (`merge_qkv`), then
+    """`fused` (the packed path): q, k and v from one matmul of the merged weight (`qkv`), then
     normalized, and q and k rotated, in one kernel (rope_triton.qkv_norm_rope), set by
     fused.use_fused_kernels; None runs q_proj / k_proj / v_proj, their norms, then apply_rope."""
 
@@ -71,17 +71,13 @@ class TextAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.v_norm = RMSNorm(hd, cfg.rms_norm_eps, with_scale=False)
         self.fused: QkvNormRope | None = None
-        self.qkv: MergedWeight | None = None  # ((nh + 2 kv) hd, H): q's rows, k's, v's (merge_qkv)
+        self.qkv: MergedWeight | None = None  # ((nh + 2 kv) hd, H): q's rows, k's, v's (merge_weights)
 
     def merges(self) -> dict[str, tuple[str, ...]]:
         """The merged weight (`qkv`) and the Linears that view it, which the loader lays end to end
         as it loads them; none where a projection is not a plain Linear (stored packed, say)."""
         plain = plain_linears(self.q_proj, self.k_proj, self.v_proj)
         return {"qkv": ("q_proj", "k_proj", "v_proj")} if plain else {}
-
-    def merge_qkv(self) -> None:
-        """The fused path makes q, k and v with one matmul of `qkv` (layers.merge_weights)."""
-        merge_weights(self, self.merges())
 
     def project_raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., H) -> the three projections, before their norms."""
@@ -126,8 +122,7 @@ class TextAttention(nn.Module):
             q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
         else:
             # (N, (nh + 2 kv) hd): one matmul where the merged weight is live, else three
-            live = self.qkv is not None and self.qkv.live(self.q_proj, self.k_proj, self.v_proj)
-            w = self.qkv.weight if live and self.qkv is not None else None
+            w = live_weight(self.qkv, self.q_proj, self.k_proj, self.v_proj)
             qkv = F.linear(x, w) if w is not None else torch.cat(self.project_raw(x), dim=-1)
             norms = (self.q_norm, self.k_norm, self.v_norm)
             q, k, v = self.fused(
@@ -230,10 +225,9 @@ class TextLayer(nn.Module):
         x = self.fused(x, self.mlp(h), post.weight, post.eps, None, None)[0]
         # The PLE add, the layer scalar and the next norm in one kernel.
         post = self.ple_block.post_per_layer_input_norm
+        following = (then.weight, then.eps) if then is not None else (None, None)
         update = self.ple_block.update(x, ple)
-        if then is None:
-            return self.fused(x, update, post.weight, post.eps, scale=self.layer_scalar)
-        return self.fused(x, update, post.weight, post.eps, then.weight, then.eps, scale=self.layer_scalar)
+        return self.fused(x, update, post.weight, post.eps, *following, scale=self.layer_scalar)
 
 
 class PerLayerEmbeddings(nn.Module):
@@ -459,3 +453,8 @@ def attention_masks(
     # see nothing (see layers.key_padding_mask).
     itself = positions[:, None] == positions[None, :]
     return {FULL: full, SLIDING: (padded & in_window) | itself}
+
+
+# The modules whose Linears can share one merged weight (their `merges()`): the loader lays them end
+# to end as it loads, and fused.use_fused_kernels merges a model built otherwise.
+MERGING = (TextAttention, GatedMLP)
