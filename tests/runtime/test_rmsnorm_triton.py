@@ -25,7 +25,7 @@ PRELUDE = """
 import torch
 from eg2_runtime.layers import RMSNorm
 from eg2_runtime.rmsnorm_triton import add_rms_norm, rms_norm
-from tests.support.triton_interpreter import bf16_error, fp32_error
+from tests.support.triton_interpreter import assert_kernel_matches as check
 
 gen = torch.Generator().manual_seed(0)
 
@@ -40,15 +40,6 @@ def norm(n, scale):
     if scale:
         m.weight.data = torch.randn(n, generator=gen)
     return m
-
-def check(what, got, ref):
-    assert got.shape == ref.shape and got.dtype == ref.dtype, (what, got.shape, got.dtype, ref.dtype)
-    if ref.dtype == torch.float32:
-        err = fp32_error(got, ref)
-        assert err <= 1e-6, (what, "fp32", err)
-    else:
-        steps, differ = bf16_error(got, ref)
-        assert steps <= 1 and differ <= 0.01, (what, "bf16 steps", steps, "differ", differ)
 """
 
 RMS_NORM = PRELUDE + textwrap.dedent(

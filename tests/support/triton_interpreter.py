@@ -55,3 +55,16 @@ def bf16_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     counted = ref.abs() >= floor
     differ = ((got != ref) & counted).sum().item() / max(1, int(counted.sum().item()))
     return steps, differ
+
+
+def assert_kernel_matches(what: object, got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The rule the kernel tests hold a fused kernel to against the torch ops it replaces: the same
+    shape and dtype; FP32 within 1e-6 of each row's scale; BF16 within one step, at most 1% of the
+    outputs different (the kernels round where torch rounds)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (what, got.shape, got.dtype, ref.dtype)
+    if ref.dtype == torch.float32:
+        err = fp32_error(got, ref)
+        assert err <= 1e-6, (what, "fp32", err)
+    else:
+        steps, differ = bf16_error(got, ref)
+        assert steps <= 1 and differ <= 0.01, (what, "bf16 steps", steps, "differ", differ)
