@@ -13,11 +13,13 @@ from __future__ import annotations
 import ctypes
 import json
 
-from eg2_runtime.gpu_memory import ProcessGpuMemory
+from eg2_runtime.gpu_memory import ProcessGpuMemory, cudart
 
 MEM = ProcessGpuMemory()
 
 import torch  # noqa: E402
+
+from eg2_runtime.streams import side_stream  # noqa: E402
 
 STACK, HEAP = 0x00, 0x02  # cudaLimit enum
 
@@ -29,17 +31,10 @@ def step(name: str, **extra: object) -> None:
     print(json.dumps({"step": name, "process_mib": mib, **extra}), flush=True)
 
 
-def cudart() -> ctypes.CDLL:
-    """The CUDA runtime library torch loaded (found in this process's memory map)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcudart" in line}
-    return ctypes.CDLL(sorted(paths)[0] if paths else "libcudart.so")
-
-
 def main() -> None:
     torch.zeros(1, device="cuda")
     step("cuda init")
-    rt = cudart()
+    rt = cudart() or ctypes.CDLL("libcudart.so")  # the one torch loaded, else the linker's
     value = ctypes.c_size_t()
     limits = {}
     for name, which in (("stack", STACK), ("heap", HEAP)):
@@ -61,12 +56,10 @@ def main() -> None:
     step("cublas and sdpa again")
     # A side stream (the Unpacker's): one made by the CUDA runtime, then torch's own, which is taken
     # from torch's stream pools (created, every stream of them, on the first such call).
-    raw = ctypes.c_void_p()
-    err = rt.cudaStreamCreateWithFlags(ctypes.byref(raw), 1)  # cudaStreamNonBlocking
-    side = torch.cuda.ExternalStream(raw.value)
+    side = side_stream(torch.device("cuda"), "probe")  # what the engine makes (streams.py)
     with torch.cuda.stream(side):
         (a + 1).sum().item()
-    step("one stream from the runtime, a kernel on it", cuda_error=err)
+    step("one stream from the runtime, a kernel on it", external=isinstance(side, torch.cuda.ExternalStream))
     pooled = torch.cuda.Stream()
     with torch.cuda.stream(pooled):
         (a + 1).sum().item()

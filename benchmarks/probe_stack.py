@@ -25,7 +25,7 @@ import torch
 from benchmarks.workloads import checkpoints
 from eg2_runtime.engine import Engine
 from eg2_runtime.fused import use_fused_kernels
-from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, ProcessGpuMemory, set_cuda_stack_limit
+from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, ProcessGpuMemory, cudart, set_cuda_stack_limit
 from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import MIB
 from eg2_runtime.packing import Packing
@@ -33,10 +33,10 @@ from eg2_runtime.quant import PackedLinear
 
 
 def stack_limit() -> int:
-    with open("/proc/self/maps") as maps:
-        path = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})[0]
+    runtime = cudart()
+    assert runtime is not None, "torch has not loaded the CUDA runtime"
     value = ctypes.c_size_t(0)
-    ctypes.CDLL(path).cudaDeviceGetLimit(ctypes.byref(value), CUDA_LIMIT_STACK_SIZE)
+    runtime.cudaDeviceGetLimit(ctypes.byref(value), CUDA_LIMIT_STACK_SIZE)
     return value.value
 
 
