@@ -112,6 +112,10 @@ class EngineOptions:
     # CUDA graphs for the vision and audio towers (tower_graphs.py), with the text graphs: one image
     # 82 -> 12 ms, one 9.3 s clip 122 -> 8.4 ms (H200, packed, benchmarks/probe_memory_media.py).
     tower_graphs: bool = True
+    # Packed tower layers the Unpacker unpacks ahead of the one running (quant.Unpacker), each in a
+    # scratch slot as large as the largest packed layer (8 MiB on the full checkpoint): more hides
+    # the unpacks behind runs of short matmuls, for a slot's memory each (taken from the graph pool).
+    unpack_ahead: int = 1
     # The text encoder's memory-lean path (TextEncoder.forward `lean`): sliding-window layers of long
     # texts attend block by block (memory and work grow with T x 3 x window, not T^2) and each
     # layer's PLE slice is computed when it runs (24x fewer PLE bytes alive). The same result to
@@ -313,7 +317,10 @@ class Engine:
         t0 = time.perf_counter()
         gpu_memory = ProcessGpuMemory()  # before the weights: see ProcessGpuMemory
         wanted = frozenset(modalities) if modalities is not None else None
-        model, report = load_model(model_dir, device, wanted, dtype=dtype, pack=pack, group_size=group_size)
+        ahead = (options or EngineOptions()).unpack_ahead
+        model, report = load_model(
+            model_dir, device, wanted, dtype=dtype, pack=pack, group_size=group_size, unpack_ahead=ahead
+        )
         media = sorted(model.modalities - {"text"})
         pre = Preprocessor.from_dir(model_dir, model.config, limits=limits, modalities=media)  # type: ignore[arg-type]
         engine = cls(model, report, pre, model_dir, options, gpu_memory)

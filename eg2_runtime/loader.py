@@ -122,12 +122,14 @@ def load_model(
     pack: bool = False,
     group_size: int = 128,
     unpack_hooks: bool = True,
+    unpack_ahead: int = 1,
 ) -> tuple[EG2Model, LoadReport]:
     """Build, load and prepare a model for inference. Returns it in eval mode with its report.
 
     `modalities`: the towers to load; None loads every tower the checkpoint has.
     `pack`: quantize a BF16 checkpoint's tower Linears at load time (already-packed layers stay).
     `unpack_hooks`: attach the side-stream Unpacker; without it packed layers dequantize on the fly.
+    `unpack_ahead`: the layers it unpacks ahead of the running one (quant.Unpacker).
     """
     model_dir = Path(model_dir)
     dev = resolve_device(device)
@@ -214,7 +216,7 @@ def load_model(
     model.eval().requires_grad_(False)
     report = build_report(model)
     if unpack_hooks:
-        model.unpacker = Unpacker.attach(model, cdtype)
+        model.unpacker = Unpacker.attach(model, cdtype, unpack_ahead)
     log.info("loaded %s: %s", model_dir.name, report.summary())
     return model, report
 

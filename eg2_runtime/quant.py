@@ -9,13 +9,14 @@ Format (int4, group-wise, symmetric), per Linear of out x in:
     weight = q * scale, q in [-8, 7], rounded once to bf16.
 
 `dequantize` is the pure-torch reference. `Unpacker` is the fast path: forward hooks unpack each
-layer into a reused scratch buffer on a side CUDA stream, one layer ahead, ordered by CUDA events.
+layer into reused scratch buffers on a side CUDA stream, layers ahead, ordered by CUDA events.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -151,29 +152,38 @@ def pack_linears(model: nn.Module, group_size: int) -> int:
 
 
 class Unpacker:
-    """Provides each PackedLinear's dense weight just before it runs, from a reused scratch buffer.
+    """Provides each PackedLinear's dense weight just before it runs, from reused scratch buffers.
 
-    Built with the packed layers it serves; forward hooks on them do the work. On CUDA there are two
-    scratch buffers, each as large as the largest packed layer. Layer i reads one; layer i + 1 is
-    unpacked into the other on a side stream while layer i computes:
-        main:  wait(ready[slot i]) -> record started -> matmul(i)
-        side:  wait(started) -> unpack(i + 1) into the other slot -> record ready[other slot]
-    `started` also means layer i - 1, the last reader of that other slot, has finished (one main
-    stream, in order), so a slot is never overwritten while read. Which layer follows which is
-    learned from the calls themselves (next_of), so it holds for any tower's execution order; a
-    wrong guess costs only the overlap, never correctness.
+    Built with the packed layers it serves; forward hooks on them do the work. On CUDA there are
+    `ahead + 1` scratch slots, each as large as the largest packed layer, used as a ring: while layer
+    i computes from slot s, layers i + 1 .. i + ahead are unpacked (or being unpacked) into slots
+    s + 1 .. s + ahead on a side stream. When layer i starts:
+        main:  wait(ready[s]) -> record started -> matmul(i)
+        side:  wait(started) -> unpack(i + ahead) into slot s + ahead (= s - 1) -> record ready[s - 1]
+    `started` also means layer i - 1, the last reader of slot s - 1, has finished (one main stream, in
+    order), so a slot is never overwritten while read. Prefetching more than one layer ahead hides
+    the unpacks behind runs of short layers (q, k, v of one attention block back to back at batch 1),
+    where one layer's matmul is shorter than the next one's unpack. Which layer follows which is
+    learned from the calls themselves (next_of), so it holds for any tower's execution order; a wrong
+    guess costs only the overlap, never correctness. Prefetching stops at a layer that began a
+    forward (the first after a join or a capture's start): a captured graph would otherwise unpack,
+    at its end, layers only the next forward reads, and join them before it returns.
 
-    The three CUDA events are made once and re-recorded: a wait binds to the record before it. The
-    main stream is looked up by the first packed layer after construction, a `join` or the start of
-    a capture (the capture stream), and kept until the next: the engine runs every eager forward
-    on one stream, and joins before each graph replay.
+    The CUDA events are made once and re-recorded: a wait binds to the record before it. The main
+    stream is looked up by the first packed layer after construction, a `join` or the start of a
+    capture (the capture stream), and kept until the next: the engine runs every eager forward on
+    one stream, and joins before each graph replay.
     On CPU the unpack is synchronous and there is no scratch: the weight lives for one forward.
     """
 
-    def __init__(self, layers: list[PackedLinear], dtype: torch.dtype) -> None:
+    def __init__(self, layers: list[PackedLinear], dtype: torch.dtype, ahead: int = 1) -> None:
+        if ahead < 1:
+            raise ValueError(f"ahead must be at least 1, not {ahead}")
         self.dtype = dtype
         self.layers = layers
+        self.ahead = ahead
         self.next_of: dict[PackedLinear, PackedLinear] = {}
+        self.starts: set[PackedLinear] = set()  # layers that began a forward: prefetching stops there
         self.prev: PackedLinear | None = None
         self.handles = [h for m in layers for h in self._hook(m)]
         device = layers[0].weight_packed.device if layers else torch.device("cpu")
@@ -181,23 +191,24 @@ class Unpacker:
         self.scratch_bytes = 0
         if self.cuda:
             numel = max(m.in_features * m.out_features for m in layers)
-            self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(2)]
-            self.scratch_bytes = 2 * numel * self.scratch[0].element_size()
+            self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(ahead + 1)]
+            self.scratch_bytes = len(self.scratch) * numel * self.scratch[0].element_size()
             self.stream = side_stream(device, "unpack")  # not from torch's pools: see streams.py
             self.main: torch.cuda.Stream | None = None  # the stream the towers run on
-            self.ready = [torch.cuda.Event(), torch.cuda.Event()]  # scratch[slot] holds its layer
+            self.ready = [torch.cuda.Event() for _ in self.scratch]  # scratch[slot] holds its layer
             self.started = torch.cuda.Event()  # the main stream reached the layer that started last
             self.any_started = False  # `started` was recorded since the last join
-            self.pending: PackedLinear | None = None  # the layer prefetched into 1 - slot
-            self.slot = 1  # the slot of the layer that started last
+            # Layers unpacked ahead, oldest first, with their slots: always slot + 1, slot + 2, ...
+            self.pending: deque[tuple[PackedLinear, int]] = deque()
+            self.slot = 0  # the slot of the layer that started last
             # The fused Triton kernel writes BF16 in place; any other dtype takes the reference.
             self.fast = _triton_dequantize_into() if dtype == torch.bfloat16 else None
 
     @classmethod
-    def attach(cls, model: nn.Module, dtype: torch.dtype) -> Unpacker | None:
+    def attach(cls, model: nn.Module, dtype: torch.dtype, ahead: int = 1) -> Unpacker | None:
         """An Unpacker for every PackedLinear of `model`, or None if it has none."""
         layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        return cls(layers, dtype) if layers else None
+        return cls(layers, dtype, ahead) if layers else None
 
     def _hook(self, m: PackedLinear) -> tuple[object, object]:
         return m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)
@@ -215,25 +226,30 @@ class Unpacker:
         """Run the forward to capture in a CUDA graph inside this: the side stream's work joins the graph.
 
         A capture may record only work forked from its own stream and joined back to it: so the
-        state of eager calls (a prefetch, the last `started` record) is dropped on entry, the first
-        unpack waits on the capture stream (see _unpack_async), and the prefetch the forward leaves
-        pending is joined on exit. The state is dropped again after: its records belong to the graph.
+        state of eager calls (prefetches, the last `started` record) is dropped on entry, the first
+        unpack waits on the capture stream (see _unpack_async), and the prefetches the forward leaves
+        pending are joined on exit. The state is dropped again after: its records belong to the graph.
         The graph keeps the scratch slots' addresses; replays and eager calls share one main stream,
         and an eager call's first unpack waits for it, so neither overwrites a slot the other reads.
         """
-        self.pending, self.any_started = None, False
+        if self.cuda:
+            self.pending.clear()
+        self.any_started = False
         try:
             yield
         finally:
             self.join()
 
     def join(self) -> None:
-        """Make the current stream wait for the side stream's work in flight (the prefetch an eager
+        """Make the current stream wait for the side stream's work in flight (the prefetches an eager
         forward leaves behind), and forget it: call before a captured graph replays, since its own
         unpacks write the same scratch slots."""
-        if self.cuda and self.pending is not None:
-            torch.cuda.current_stream().wait_event(self.ready[1 - self.slot])
-        self.pending, self.any_started = None, False
+        if self.cuda and self.pending:
+            # The side stream runs in order: the newest prefetch done means every earlier one is.
+            torch.cuda.current_stream().wait_event(self.ready[self.pending[-1][1]])
+        if self.cuda:
+            self.pending.clear()
+        self.any_started = False
 
     def _unpack_async(self, layer: PackedLinear, slot: int) -> None:
         """Enqueue the unpack of `layer` into scratch[slot] on the side stream, then record
@@ -266,8 +282,16 @@ class Unpacker:
             return
         if not self.any_started:
             self.main = torch.cuda.current_stream()
-        slot = 1 - self.slot  # a prefetch always targets the slot the running layer does not read
-        if self.pending is not layer:  # first call, or a wrong guess: unpack now (after the guess)
+            self.starts.add(layer)
+        ring = len(self.scratch)
+        if self.pending and self.pending[0][0] is layer:
+            _, slot = self.pending.popleft()
+        else:
+            # First call, or a wrong guess: drop the guesses (their unpacks still run, earlier on the
+            # side stream, so this one's write lands last) and unpack into the slot after the running
+            # layer's: after `started`, the running layer is the only reader left on the main stream.
+            self.pending.clear()
+            slot = (self.slot + 1) % ring
             self._unpack_async(layer, slot)
         main = self.main
         assert main is not None
@@ -276,9 +300,15 @@ class Unpacker:
         self.any_started = True
         self.slot = slot
         layer.unpacked = self._view(layer, slot)
-        self.pending = self.next_of.get(layer)
-        if self.pending is not None:
-            self._unpack_async(self.pending, 1 - slot)
+        last = self.pending[-1][0] if self.pending else layer
+        while len(self.pending) < self.ahead:
+            nxt = self.next_of.get(last)
+            if nxt is None or nxt in self.starts:
+                break
+            ahead_slot = (slot + len(self.pending) + 1) % ring
+            self._unpack_async(nxt, ahead_slot)
+            self.pending.append((nxt, ahead_slot))
+            last = nxt
 
     def _after(self, layer: nn.Module, args: object, output: object) -> None:
         assert isinstance(layer, PackedLinear)

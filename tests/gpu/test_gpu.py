@@ -377,17 +377,21 @@ def test_tower_graphs_match_eager_towers(full: dict[str, Path], results: Path | 
     assert not failures, f"{failures}: {figures}"
 
 
+@pytest.mark.parametrize("ahead", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_tiny_graph_captures_match_eager(tiny_w4: Path, results: Path | None, dtype: torch.dtype) -> None:
+def test_tiny_graph_captures_match_eager(
+    tiny_w4: Path, results: Path | None, dtype: torch.dtype, ahead: int
+) -> None:
     """The capture mechanics of both graph kinds on the tiny checkpoint (seconds, not minutes):
     graphs.capture_graph for the text buckets and tower_graphs.py for the packed towers, with the
-    Unpacker's side stream, against the same engine run eagerly.
+    Unpacker's side stream, against the same engine run eagerly. `ahead`: the layers the graphed
+    engine's Unpacker unpacks ahead (the eager one unpacks one), so its scratch ring is checked too.
 
     FP32 isolates the mechanics (a wrong static buffer, a missed join or a stale scratch slot moves
     a vector far more than 1e-5); BF16 is the served dtype, where padding may pick another kernel.
     """
     eager = _engine(tiny_w4, dtype=dtype, graph_max_tokens=0)
-    graphed = _engine(tiny_w4, dtype=dtype)
+    graphed = _engine(tiny_w4, dtype=dtype, unpack_ahead=ahead)
     assert (graphed.packed if dtype == torch.bfloat16 else graphed.graphs) is not None  # FP32: padded
     assert graphed.towers is not None
     image = lambda i: Item((MediaPart("image", samples.png(640, 480, i)),))  # noqa: E731
@@ -408,7 +412,7 @@ def test_tiny_graph_captures_match_eager(tiny_w4: Path, results: Path | None, dt
             "replays_equal": bool(np.array_equal(b, again)),
         }
     figures["tower_graphs"] = sorted(str(k) for k in graphed.towers.graphs)
-    record(results, f"gpu_tiny_graphs_{str(dtype).removeprefix('torch.')}", figures)
+    record(results, f"gpu_tiny_graphs_{str(dtype).removeprefix('torch.')}_ahead{ahead}", figures)
     bound = 1e-5 if dtype == torch.float32 else 1e-3
     bad = {
         k: v

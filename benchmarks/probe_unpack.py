@@ -1,0 +1,149 @@
+"""Probe (GPU): packed towers against BF16 ones, by how many layers the Unpacker unpacks ahead.
+
+    python -m benchmarks.probe_unpack --out DIR [--ahead 1,2,3] [--seconds S]
+    python -m benchmarks.probe_unpack --out /tmp/pu --device cpu --size tiny --seconds 0.1   # dry run
+
+For `eg2 bench`'s packed / BF16 cells on the media rows. Each variant runs in its own process, booted
+as the bench's in-process configurations boot (warm-up, start-up graphs): the hybrid-w4 engine at
+its default budget with `EngineOptions.unpack_ahead` = each --ahead, and the BF16 engine at that
+budget plus what its weights add (bench.matched_budget), so the two differ in the weights' format
+alone. Per media row of the bench matrix (batches 1 and 8) it times, as the bench does,
+`Engine.embed` on items prepared beforehand and the engine's forward alone (CUDA events), and
+reports each w4 variant's forward as a ratio of BF16's (BF16 ms / w4 ms: 1.0 is parity).
+Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench import DEFAULT_CACHE, matched_budget
+from benchmarks.workloads import FULL, checkpoints
+
+ROWS = ("image/b1", "image/b8", "audio_short/b1", "audio_short/b8", "audio_long/b1", "video/b1", "video/b8")
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One variant, in this process: boot the engine, then time the media rows."""
+    import torch
+
+    from app.service import GPU_BATCH_TOKENS
+    from app.settings import Settings
+    from benchmarks.inprocess import Ours
+    from benchmarks.timing import Budget
+    from benchmarks.workloads import Factory, matrix
+    from eg2_runtime.engine import Engine, EngineOptions
+
+    options = EngineOptions(gpu_memory_budget=spec["budget"], unpack_ahead=spec["ahead"])
+    engine = Engine.from_dir(spec["model_dir"], device=spec["device"], options=options)
+    graphs = 0
+    if engine.device.type == "cuda":  # as the bench boots it; a CPU dry run has nothing to warm
+        engine.warm_up(Settings.model_fields["max_batch_items"].default, GPU_BATCH_TOKENS)
+        graphs = engine.capture_graphs()
+    runner = Ours(engine)
+    budget = Budget(
+        seconds=spec["seconds"], warmup=3, min_rounds=5, max_rounds=200, cap_s=3 * spec["seconds"]
+    )
+    rows: dict[str, Any] = {}
+    for w in matrix(Factory(engine.preprocessor), FULL, (1, 8)):
+        if w.key not in ROWS:
+            continue
+        extras = runner.extras(w, budget, flops=False)
+        rows[w.key] = {"embed_ms": extras["embed"]["p50_ms"], "forward_ms": extras["forward"]["p50_ms"]}
+    towers = engine.towers
+    return {
+        "plan": engine.plan.describe() if engine.plan is not None else None,
+        "graphs_at_start": graphs,
+        "tower_graphs": sorted(str(k) for k in towers.graphs) if towers is not None else [],
+        "unpack_scratch_mib": (engine.model.unpacker.scratch_bytes / 2**20) if engine.model.unpacker else 0,
+        "memory": engine.memory(),
+        "rows": rows,
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ahead", default="1,2,3", help="unpack_ahead values to run [1,2,3]")
+    ap.add_argument("--seconds", type=float, default=1.0, help="time box of each cell's timed rounds [1]")
+    ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--size", choices=("tiny", "full"), default="full")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # a variant's spec: run it here
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        spec = json.loads(args.child.read_text())
+        Path(spec["out"]).write_text(json.dumps(child(spec), indent=1))
+        return 0
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"argv": sys.argv, "variants": {}}
+    with checkpoints(None, args.cache_dir, args.size, print) as (bf16, w4):
+        variants: dict[str, tuple[Path, int | None, int]] = {
+            f"w4 ahead {a}": (w4, None, int(a)) for a in args.ahead.split(",")
+        }
+        variants["bf16"] = (bf16, matched_budget(bf16, w4) if args.device == "cuda" else None, 1)
+        for name, (model_dir, budget, ahead) in variants.items():
+            tag = name.replace(" ", "-")
+            spec_path, out_path = args.out / f"{tag}.spec.json", args.out / f"{tag}.json"
+            spec = {
+                "model_dir": str(model_dir),
+                "budget": budget,
+                "ahead": ahead,
+                "seconds": args.seconds,
+                "device": args.device,
+            }
+            spec_path.write_text(json.dumps(spec | {"out": str(out_path)}))
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.probe_unpack",
+                    "--out",
+                    str(args.out),
+                    "--child",
+                    str(spec_path),
+                ],
+                capture_output=True,
+                text=True,
+            )
+            if done.returncode != 0:
+                results["variants"][name] = {"error": done.stderr[-3000:]}
+                print(f"{name}: failed\n{done.stderr[-3000:]}", flush=True)
+                continue
+            results["variants"][name] = json.loads(out_path.read_text())
+            print(f"{name}: {results['variants'][name]['plan']}", flush=True)
+    (args.out / "unpack.json").write_text(json.dumps(results, indent=1))
+    print(table(results))
+    return 0
+
+
+def table(results: dict[str, Any]) -> str:
+    """Forward ms per row and variant, each w4 variant's as a ratio of BF16's (BF16 ms / w4 ms)."""
+    variants = {k: v for k, v in results["variants"].items() if "rows" in v}
+    base = variants.get("bf16", {}).get("rows", {})
+    lines = ["| row | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    for row in ROWS:
+        cells = []
+        for v in variants.values():
+            r = v["rows"].get(row)
+            if r is None:
+                cells.append("-")
+                continue
+            ratio = base[row]["forward_ms"] / r["forward_ms"] if row in base else None
+            cells.append(
+                f"{r['forward_ms']:.2f} ms (embed {r['embed_ms']:.2f})"
+                + (f", {ratio:.3f}x" if ratio is not None else "")
+            )
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
