@@ -15,30 +15,34 @@ import triton.language as tl
 
 from eg2_runtime.quant import PACK
 
+# Words per program: 4,096 BF16 outputs (8 KiB) each. The towers' layers (0.6-4.2 M weights) then
+# spread over 144-1,024 programs, more than the H200's 132 SMs hold at once.
+BLOCK_WORDS = 512
+
 
 @triton.jit
 def _dequant_kernel(
-    packed_ptr,  # (rows, words) int32
-    scale_ptr,  # (rows, groups) bf16
-    out_ptr,  # (rows, words * 8) bf16, viewed as int16
-    words,
-    groups,
+    packed_ptr,  # (rows * words,) int32: the (rows, words) weight, flat
+    scale_ptr,  # (rows * groups,) bf16, flat
+    out_ptr,  # (rows * words * 8,) bf16 viewed as int16, flat
+    total_words,
     WORDS_PER_GROUP: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)  # word indices of this block
-    in_row = w < words
-    word = tl.load(packed_ptr + row * words + w, mask=in_row, other=0)  # (BLOCK_W,)
-    nibble = (word[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 0xF  # (BLOCK_W, 8), element j of word
-    scale = tl.load(scale_ptr + row * groups + w // WORDS_PER_GROUP, mask=in_row, other=0.0).to(tl.float32)
+    # The weight read as one flat run of words: a row's words are a whole number of groups, so flat
+    # word f has scale f // WORDS_PER_GROUP, and its 8 outputs are elements 8f .. 8f + 7.
+    f = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+    live = f < total_words
+    word = tl.load(packed_ptr + f, mask=live, other=0)
+    nibble = (word[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 0xF  # (BLOCK, 8), element j of word
+    scale = tl.load(scale_ptr + f // WORDS_PER_GROUP, mask=live, other=0.0).to(tl.float32)
     value = (nibble - 8).to(tl.float32) * scale[:, None]  # exact: a 4-bit code times an 8-bit mantissa
     # Round to BF16, nearest-even, by hand: torch's rule for finite values, and the same bits in
     # Triton's CPU interpreter (whose own float downcast does not round to even).
     bits = value.to(tl.uint32, bitcast=True)
     bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
-    cols = w[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(out_ptr + row * words * 8 + cols, bf16, mask=in_row[:, None])
+    cols = f[:, None] * 8 + tl.arange(0, 8)[None, :]  # 8 consecutive outputs a word: 16-byte stores
+    tl.store(out_ptr + cols, bf16, mask=live[:, None])
 
 
 def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -47,9 +51,10 @@ def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
     groups = scale.shape[1]
     if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.shape != (rows, words * PACK):
         raise ValueError(f"out must be a contiguous bf16 ({rows}, {words * PACK}) tensor")
-    words_per_group = words // groups
-    block = min(128, triton.next_power_of_2(words))
-    _dequant_kernel[(rows, triton.cdiv(words, block))](
-        packed, scale, out.view(torch.int16), words, groups, WORDS_PER_GROUP=words_per_group, BLOCK_W=block
+    if words % groups or not packed.is_contiguous() or not scale.is_contiguous():
+        raise ValueError("packed and scale must be contiguous, with whole groups of words per row")
+    total = rows * words
+    _dequant_kernel[(triton.cdiv(total, BLOCK_WORDS),)](
+        packed, scale, out.view(torch.int16), total, WORDS_PER_GROUP=words // groups, BLOCK=BLOCK_WORDS
     )
     return out
