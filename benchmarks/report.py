@@ -59,10 +59,18 @@ def sweep_row(results: dict[str, Any], cfg: str, family: str, clients: int) -> d
     )
 
 
-def packed_vs_bf16(results: dict[str, Any]) -> dict[str, float]:
+def packed_vs_bf16(results: dict[str, Any], part: str = "call") -> dict[str, float]:
+    """(a) / (b) items/s per matrix cell: of the whole call (`part` "call"), or of Engine.embed on
+    items prepared beforehand ("embed": the part the weights' format can change; a call adds the
+    same decoding and preprocessing to both, on the host's CPUs)."""
     a, b = cells_of(results, "a", "matrix"), cells_of(results, "b", "matrix")
     return {
-        k: a[k]["call"]["items_per_s"] / b[k]["call"]["items_per_s"] for k in a if ok(a[k]) and ok(b.get(k))
+        k: a[k][part]["items_per_s"] / b[k][part]["items_per_s"]
+        for k in a
+        if ok(a[k])
+        and ok(b.get(k))
+        and (a[k].get(part) or {}).get("items_per_s")
+        and (b[k].get(part) or {}).get("items_per_s")
     }
 
 
@@ -79,7 +87,7 @@ def figure(results: dict[str, Any], spec: str) -> float | None:
         row = sweep_row(results, args[0], args[1], int(args[2]))
         return float(row[args[3]]) if row and row.get(args[3]) is not None else None
     if kind == "packed_vs_bf16":
-        ratios = packed_vs_bf16(results)
+        ratios = packed_vs_bf16(results, *args[1:])
         return (min if args[0] == "worst" else statistics.median)(ratios.values()) if ratios else None
     if kind == "saturation":
         rows = [

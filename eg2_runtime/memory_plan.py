@@ -3,7 +3,7 @@
     budget = the process's GPU memory, everything included (what nvidia-smi shows for it)
            = base      CUDA context, the libraries' kernels and handles: not ours to size, measured
            + weights   resident weights; the token table moves to pinned host memory when needed
-           + fixed     the Unpacker's two scratch slots and the graphs' static input buffers
+           + fixed     the Unpacker's scratch slots and the graphs' static input buffers
            + eager     the activations of the largest single item that no graph holds
            + graphs    one CUDA graph pool, shared by the text and tower graphs
 The allocator is capped at budget - base (torch's per-process fraction), so the process stays

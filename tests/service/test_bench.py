@@ -354,10 +354,10 @@ def test_figures_read_what_their_targets_name() -> None:
         a={
             "matrix": {
                 "t/b1": {"family": "text_short", "error": None, "call": {"items_per_s": 1000.0}},
-                "l/b8": {"family": "text_long", "error": None, "call": {"items_per_s": 99.0}, "forward_tflops": 40.0},
+                "l/b8": {"family": "text_long", "error": None, "call": {"items_per_s": 99.0}, "embed": {"items_per_s": 50.0}, "forward_tflops": 40.0},
             }
         },
-        b={"matrix": {"l/b8": {"error": None, "call": {"items_per_s": 100.0}}}},
+        b={"matrix": {"l/b8": {"error": None, "call": {"items_per_s": 100.0}, "embed": {"items_per_s": 40.0}}}},
         c={"named": _named(image_one=90.0)},
         d={
             "named": _named(image_one=20.0),
@@ -371,6 +371,7 @@ def test_figures_read_what_their_targets_name() -> None:
     assert f("named:d:image_one") == 20.0 and f("ratio:d:c:image_one") == pytest.approx(20 / 90)
     assert f("sweep:d:text_short:128:items_per_s") == 900.0 and f("sweep:d:text_short:32:p99_ms") is None
     assert f("packed_vs_bf16:worst") == pytest.approx(0.99)
+    assert f("packed_vs_bf16:worst:embed") == pytest.approx(1.25)  # t/b1 has no embed figure: left out
     assert f("saturation:d:a") == pytest.approx(0.9)
     assert f("peak_share:a:text_long") == pytest.approx(0.4)
     with pytest.raises(ValueError, match="unknown figure"):
