@@ -9,7 +9,9 @@ its default budget with `EngineOptions.unpack_ahead` = each --ahead, and the BF1
 budget plus what its weights add (bench.matched_budget), so the two differ in the weights' format
 alone. Per media row of the bench matrix (batches 1 and 8) it times, as the bench does,
 `Engine.embed` on items prepared beforehand and the engine's forward alone (CUDA events), and
-reports each w4 variant's forward as a ratio of BF16's (BF16 ms / w4 ms: 1.0 is parity).
+reports each w4 variant's forward as a ratio of BF16's (BF16 ms / w4 ms: 1.0 is parity). Each slot
+comes out of the graph pool at the same budget, so a deeper ring may capture fewer buckets: each
+variant's plan and tower graphs are in its JSON.
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 

@@ -176,14 +176,16 @@ def capture_graph(
     """Capture `step(*inputs)` into a CUDA graph drawing on `pool`: (the graph, its static output).
 
     It runs once on a side stream first, as torch.cuda.graphs advises: kernel choice, cuBLAS
-    workspaces, Triton compiles and lazy inits happen outside the capture. `around` wraps the
-    captured call (the Unpacker's capture mode); torch.cuda.graph synchronizes the device before it
-    begins, so nothing the warm-up left in flight reaches into the capture.
+    workspaces, Triton compiles and lazy inits happen outside the capture. `around` wraps both runs
+    (the Unpacker's capture mode): the warm-up runs on another stream than the engine's eager
+    forwards, and the Unpacker must order its unpacks after that stream, not the one it last saw.
+    torch.cuda.graph synchronizes the device before the capture begins, so nothing the warm-up left
+    in flight reaches into the capture.
     """
     device = inputs[0].device
     side = _warmup_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), around():
         step(*inputs)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()

@@ -22,7 +22,7 @@ from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError
 from eg2_runtime.layers import MergedWeight, end_to_end
 from eg2_runtime.model import EG2Model
-from eg2_runtime.quant import PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
+from eg2_runtime.quant import PACK, PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
 from eg2_runtime.text import MERGING
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,14 @@ def load_model(
                 ) from None
             if not isinstance(linear, torch.nn.Linear):
                 raise CheckpointError(f"{name} is stored packed but is not a Linear layer")
-            g = linear.in_features // stored[f"{name}.weight_scale"].shape[-1]
+            n_groups = stored[f"{name}.weight_scale"].shape[-1]
+            g = linear.in_features // max(n_groups, 1)
+            if g * n_groups != linear.in_features or g % PACK:
+                # The reference and the fused unpack both read a row as whole groups of whole words.
+                raise CheckpointError(
+                    f"{name}: {n_groups} scale groups do not split {linear.in_features} inputs into equal "
+                    f"groups of a multiple of {PACK}"
+                )
             replace_module(
                 model, name, PackedLinear(linear.in_features, linear.out_features, linear.bias is not None, g)
             )

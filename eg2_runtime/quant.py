@@ -165,14 +165,15 @@ class Unpacker:
     the unpacks behind runs of short layers (q, k, v of one attention block back to back at batch 1),
     where one layer's matmul is shorter than the next one's unpack. Which layer follows which is
     learned from the calls themselves (next_of), so it holds for any tower's execution order; a wrong
-    guess costs only the overlap, never correctness. Prefetching stops at a layer that began a
+    guess costs time (the guessed unpacks still run, ahead of the one needed), never correctness. Prefetching stops at a layer that began a
     forward (the first after a join or a capture's start): a captured graph would otherwise unpack,
     at its end, layers only the next forward reads, and join them before it returns.
 
     The CUDA events are made once and re-recorded: a wait binds to the record before it. The main
     stream is looked up by the first packed layer after construction, a `join` or the start of a
     capture (the capture stream), and kept until the next: the engine runs every eager forward on
-    one stream, and joins before each graph replay.
+    one stream and joins before each graph replay, and a capture's warm-up, on a stream of its own,
+    runs inside `capturing` too (graphs.capture_graph).
     On CPU the unpack is synchronous and there is no scratch: the weight lives for one forward.
     """
 

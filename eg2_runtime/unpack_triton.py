@@ -15,8 +15,8 @@ import triton.language as tl
 
 from eg2_runtime.quant import PACK
 
-# Words per program: 4,096 BF16 outputs (8 KiB) each. The towers' layers (0.6-4.2 M weights) then
-# spread over 144-1,024 programs, more than the H200's 132 SMs hold at once.
+# Words per program: 4,096 BF16 outputs (8 KiB) each, so the towers' layers (0.6-4.2 M weights) are
+# 144-1,024 programs, where one program a row per 128 words made 768-4,096 programs of 1-2 KiB.
 BLOCK_WORDS = 512
 
 

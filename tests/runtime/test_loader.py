@@ -99,6 +99,19 @@ def test_a_text_projection_stored_packed_loads_unmerged(tiny_bf16: Path, tmp_pat
     assert attn.qkv is None and attn.merges() == {}
 
 
+def test_packed_scales_must_split_a_row_into_equal_groups(tiny_w4: Path, tmp_path: Path) -> None:
+    """A packed layer whose scale columns do not split its inputs into equal groups of whole words (a
+    format with a partial last group) is refused at load: the unpack would read wrong scales."""
+    name = next(n for n in load_file(str(tiny_w4 / "model.safetensors")) if n.endswith(".weight_scale"))
+
+    def one_more_group(tensors: dict[str, torch.Tensor]) -> None:
+        scale = tensors[name]
+        tensors[name] = torch.cat([scale, scale[:, :1]], dim=1)
+
+    with pytest.raises(CheckpointError, match="do not split"):
+        load_model(_copy_with(tiny_w4, tmp_path / "m", one_more_group), "cpu")
+
+
 def test_text_only_loads_no_tower(tiny_w4: Path) -> None:
     model, report = load_model(tiny_w4, "cpu", modalities={"text"})
     assert model.vision_tower is None and model.audio_tower is None

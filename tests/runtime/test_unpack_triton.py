@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     from eg2_runtime.unpack_triton import dequantize_into
 
     gen = torch.Generator().manual_seed(0)
-    # Shapes with a partial last block (768 inputs = 96 words) and each group size.
+    # Each group size; (33, 256, 64) ends in a partial block of the kernel's 512 words.
     for rows, cols, group in [(64, 768, 32), (48, 1536, 128), (16, 4096, 128), (33, 256, 64)]:
         w = torch.randn(rows, cols, generator=gen) * torch.rand(rows, 1, generator=gen) * 3
         packed, scale = quantize(w, group)
