@@ -39,7 +39,7 @@ def shapes(factory: Factory) -> dict[str, tuple[list[Item], PrepareOptions]]:
     def texts(*inputs: Input) -> list[Item]:
         return [Item((TextPart(x.text or ""),)) for x in inputs]
 
-    named = {w.key: w for w in workloads.named(factory, workloads.FULL)}
+    named = {w.key: w for w in workloads.named_text(factory, workloads.FULL)}  # a text-only engine too
     image = Item((MediaPart("image", samples.png(641, 479)),))
     clip = Item((MediaPart("audio", samples.wav(9.3)),))
     return {

@@ -235,33 +235,42 @@ def matrix(factory: Factory, sizes: Sizes, batch_sizes: tuple[int, ...]) -> list
     return out
 
 
-def named(factory: Factory, sizes: Sizes) -> list[Workload]:
-    """The named workloads of issues #12 and #15, with `sizes`' counts (theirs in full mode). Each is
-    measured as the time of one round: all its calls, one after the other."""
-    docs, total, per_call, media = sizes.docs, sizes.docs_total, sizes.per_call, sizes.media
+def _one(key: str, label: str, kind: Kind, calls: list[tuple[Input, ...]]) -> Workload:
+    return Workload(key, key, kind, label, tuple(calls))
 
-    def one(key: str, label: str, kind: Kind, calls: list[tuple[Input, ...]]) -> Workload:
-        return Workload(key, key, kind, label, tuple(calls))
 
+def named_text(factory: Factory, sizes: Sizes) -> list[Workload]:
+    """The text ones of the named workloads (issue #15's): they need only the tokenizer."""
+    docs, total, per_call = sizes.docs, sizes.docs_total, sizes.per_call
     short = factory.text(17, seed=1000)
     lengths = np.linspace(20, 60, docs).round().astype(int)
     mixed = tuple(factory.text(int(n), seed=2000 + i) for i, n in enumerate(lengths))
     long_doc = factory.text(sizes.text[2], seed=3000)
     forty = [factory.text(40, seed=4000 + i) for i in range(total)]
-    image = factory.image(*NAMED_IMAGE_SIZE)
-    clip = factory.audio(sizes.audio[0])
-    video = factory.video(sizes.video_frames)
-    w, h = NAMED_IMAGE_SIZE
     return [
-        one("short_query", f"1 query ({short.tokens} tokens)", "text", [(short,)]),
-        one("docs_one_call", f"{docs} docs of 20-60 tokens, one call", "text", [mixed]),
-        one("long_doc", f"1 doc of {long_doc.tokens} tokens", "text", [(long_doc,)]),
-        one(
+        _one("short_query", f"1 query ({short.tokens} tokens)", "text", [(short,)]),
+        _one("docs_one_call", f"{docs} docs of 20-60 tokens, one call", "text", [mixed]),
+        _one("long_doc", f"1 doc of {long_doc.tokens} tokens", "text", [(long_doc,)]),
+        _one(
             "docs_many_calls",
             f"{total} docs of 40 tokens, {total // per_call} calls",
             "text",
             [tuple(forty[i : i + per_call]) for i in range(0, total, per_call)],
         ),
+    ]
+
+
+def named(factory: Factory, sizes: Sizes) -> list[Workload]:
+    """The named workloads of issues #12 and #15, with `sizes`' counts (theirs in full mode). Each is
+    measured as the time of one round: all its calls, one after the other."""
+    media = sizes.media
+    one = _one
+    image = factory.image(*NAMED_IMAGE_SIZE)
+    clip = factory.audio(sizes.audio[0])
+    video = factory.video(sizes.video_frames)
+    w, h = NAMED_IMAGE_SIZE
+    return [
+        *named_text(factory, sizes),
         one("image_one", f"1 image {w}x{h}", "image", [(image,)]),
         one("images_one_call", f"{media} images {w}x{h}, one call", "image", [(image,) * media]),
         one("audio_one", f"1 clip {sizes.audio[0]:g} s", "audio", [(clip,)]),
