@@ -113,8 +113,10 @@ class EngineOptions:
     # 82 -> 12 ms, one 9.3 s clip 122 -> 8.4 ms (H200, packed, benchmarks/probe_memory_media.py).
     tower_graphs: bool = True
     # Packed tower layers the Unpacker unpacks ahead of the one running (quant.Unpacker), each in a
-    # scratch slot as large as the largest packed layer (8 MiB on the full checkpoint): more hides
-    # the unpacks behind runs of short matmuls, for a slot's memory each (taken from the graph pool).
+    # scratch slot as large as the largest packed layer (8 MiB on the full checkpoint), taken from
+    # the graph pool at the same budget. More could hide unpacks behind runs of short matmuls; on the
+    # H200 two measured within one's run-to-run spread and three cost the pool its 30 s clip and
+    # video graphs (docs/PERF.md, benchmarks/probe_unpack.py).
     unpack_ahead: int = 1
     # The text encoder's memory-lean path (TextEncoder.forward `lean`): sliding-window layers of long
     # texts attend block by block (memory and work grow with T x 3 x window, not T^2) and each
