@@ -29,6 +29,16 @@ SCRIPT = textwrap.dedent(
         dequantize_into(packed, scale, out)
         ref = dequantize(packed, scale)
         assert torch.equal(out, ref), (rows, cols, group, (out.float() - ref.float()).abs().max())
+    # The kernel reads words and scales as flat runs: a strided input is refused, not misread.
+    packed, scale = quantize(torch.randn(16, 256, generator=gen), 64)
+    out = torch.empty(16, 256, dtype=torch.bfloat16)
+    for bad in (packed.t().contiguous().t(), torch.cat([packed, packed], dim=1)[:, ::2]):
+        try:
+            dequantize_into(bad, scale, out)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"a strided packed {bad.stride()} was accepted")
     print("ok")
     """
 )
