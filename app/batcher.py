@@ -751,9 +751,12 @@ class Batcher:
 
     def _observe_prepared(self, prepared: list[PreparedItem | EG2Error], share: float) -> None:
         """Each prepared item's share of its job's time, into the preprocess histogram."""
+        histograms: dict[str, Any] = {}  # one label lookup a modality, not an item
         for p in prepared:
             if isinstance(p, PreparedItem):
-                self._metrics.preprocess_seconds.labels(p.modality).observe(share)
+                if (h := histograms.get(p.modality)) is None:
+                    h = histograms[p.modality] = self._metrics.preprocess_seconds.labels(p.modality)
+                h.observe(share)
 
     def _prepared(
         self, request: _Request, indices: list[int], modality: str, prep: asyncio.Future[list[Any]]
@@ -852,10 +855,11 @@ class Batcher:
             return
         modality = live[0].item.modality
         start = time.monotonic()
+        queue_seconds = self._metrics.queue_seconds.labels(modality)  # one lookup a batch, not an item
         for work in live:
             waited = start - work.enqueued
             work.request.queue_s = max(work.request.queue_s, waited)
-            self._metrics.queue_seconds.labels(modality).observe(waited)
+            queue_seconds.observe(waited)
         try:
             vectors = await self._gpu_call([w.item for w in live])
         except Exception as exc:

@@ -470,6 +470,21 @@ def encode_embeddings(
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+def base64_rows(rows: np.ndarray) -> list[str]:
+    """(N, k) array -> each row's bytes in base64 (what `base64.b64encode(row.tobytes())` gives).
+
+    A row of a multiple of 3 bytes encodes without padding, so the rows' bytes encoded in one call are
+    their encodings end to end, cut every 4/3 of a row's bytes: one C call instead of one a row, for
+    the full 768-d float32 rows (3,072 bytes) and int8 / uint8 ones (768 bytes). Other widths (512-d
+    float32: 2,048 bytes) end in padding, and encode a row at a time."""
+    row_bytes = rows.shape[1] * rows.itemsize if rows.ndim == 2 else 0
+    if rows.shape[0] < 2 or row_bytes % 3:
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+    text = base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode("ascii")
+    width = row_bytes // 3 * 4
+    return [text[i : i + width] for i in range(0, len(text), width)]
+
+
 def _encoded_rows(
     vectors: np.ndarray, encoding_format: str, embedding_type: EmbeddingType
 ) -> list[dict[str, Any]]:
@@ -481,7 +496,7 @@ def _encoded_rows(
     rows: list[Any]
     if encoding_format == "base64":
         little = values.astype(values.dtype.newbyteorder("<"), copy=False)  # little-endian on any host
-        rows = [base64.b64encode(row.tobytes()).decode("ascii") for row in little]
+        rows = base64_rows(little)
     else:
         rows = list(values)  # (D,) views: orjson writes numpy arrays itself
     if scales is None:

@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 
-from app.schemas import encode_embeddings
+from app.schemas import base64_rows, encode_embeddings
 from eg2_runtime.api import matryoshka
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from tests.support.fake_engine import (
@@ -203,6 +203,28 @@ def test_float_rows_read_back_as_the_exact_float32_values() -> None:
     rows[1, 5] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         encode_embeddings(rows, encoding_format="float", model="m", num_tokens=7)
+
+
+def test_base64_rows_are_each_rows_own_encoding() -> None:
+    """The one-call encoding of rows whose width is a multiple of 3 bytes (768-d float32, int8,
+    uint8) and the per-row one of other widths both give each row's own base64."""
+    rng = np.random.default_rng(1)
+    for dtype, width in [
+        ("<f4", 768),
+        ("<f4", 512),
+        ("<f4", 256),
+        ("<f4", 128),
+        ("i1", 768),
+        ("u1", 96),
+        ("u1", 64),
+    ]:
+        for n in (1, 2, 5):
+            rows = (rng.standard_normal((n, width)) * 50).astype(dtype)
+            assert base64_rows(rows) == [base64.b64encode(r.tobytes()).decode("ascii") for r in rows], (
+                dtype,
+                width,
+                n,
+            )
 
 
 def test_order_and_usage_of_many_items(client: httpx.Client, ref_engine: Any) -> None:
