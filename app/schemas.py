@@ -477,8 +477,8 @@ def base64_rows(rows: np.ndarray) -> list[str]:
     their encodings end to end, cut every 4/3 of a row's bytes: one C call instead of one a row, for
     the full 768-d float32 rows (3,072 bytes) and int8 / uint8 ones (768 bytes). Other widths (512-d
     float32: 2,048 bytes) end in padding, and encode a row at a time."""
-    row_bytes = rows.shape[1] * rows.itemsize if rows.ndim == 2 else 0
-    if rows.shape[0] < 2 or row_bytes % 3:
+    row_bytes = rows.shape[1] * rows.itemsize
+    if rows.shape[0] < 2 or row_bytes % 3 or not row_bytes:
         return [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
     text = base64.b64encode(np.ascontiguousarray(rows).tobytes()).decode("ascii")
     width = row_bytes // 3 * 4
