@@ -56,12 +56,11 @@ from benchmarks.process_memory import PeakSampler, memory_record, settle_device
 from benchmarks.report import markdown, targets
 from benchmarks.served import Served, run_served
 from benchmarks.timing import Budget, Progress, Stopped
-from benchmarks.workloads import FULL, QUICK, TEXT_NAMED, Input, Workloads, build, checkpoints
+from benchmarks.workloads import DEFAULT_CACHE, FULL, QUICK, TEXT_NAMED, Input, Workloads, build, checkpoints
 from eg2_runtime.gpu_memory import ProcessGpuMemory
 
 ROOT = Path(__file__).resolve().parents[1]  # the source checkout: benchmarks/ sits at its top
 NVML = ProcessGpuMemory()  # the device's figures; this process itself never holds GPU memory
-DEFAULT_CACHE = Path.home() / ".cache" / "eg2" / "bench"
 
 
 @dataclass(frozen=True)

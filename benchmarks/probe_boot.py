@@ -24,7 +24,7 @@ import torch
 
 from app.service import GPU_BATCH_TOKENS
 from benchmarks import workloads
-from benchmarks.workloads import Factory, Input, checkpoints
+from benchmarks.workloads import DEFAULT_CACHE, Factory, Input, checkpoints
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EngineOutOfMemory
@@ -119,7 +119,7 @@ def main() -> None:
     table = "-host-table" if args.host_token_table else ""
     padded = "-padded" if args.padded_text else ""
     tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}{padded}"
-    with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (bf16, w4):
+    with checkpoints(None, DEFAULT_CACHE, "full", print) as (bf16, w4):
         model_dir = w4 if args.checkpoint == "w4" else bf16
         options = EngineOptions(
             gpu_memory_budget=args.budget_mib * MIB if args.budget_mib else None,

@@ -27,7 +27,7 @@ from typing import Any
 from app.service import GPU_BATCH_TOKENS
 from benchmarks.probe_boot import shapes as boot_shapes
 from benchmarks.timing import host_median_ms
-from benchmarks.workloads import Factory, checkpoints
+from benchmarks.workloads import DEFAULT_CACHE, Factory, checkpoints
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import PrepareOptions
 
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (_, w4):
+    with checkpoints(None, DEFAULT_CACHE, "full", print) as (_, w4):
         engine = Engine.from_dir(w4, device="cuda", modalities={"text"})
     engine.warm_up(64, GPU_BATCH_TOKENS)
     engine.capture_graphs()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.workloads import checkpoints
+from benchmarks.workloads import DEFAULT_CACHE, checkpoints
 from eg2_runtime.engine import Engine
 from eg2_runtime.fused import use_fused_kernels
 from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, ProcessGpuMemory, cudart, set_cuda_stack_limit
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", choices=("w4", "bf16"), default="w4")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    with checkpoints(None, Path.home() / ".cache/eg2/bench", "full", print) as (bf16, w4):
+    with checkpoints(None, DEFAULT_CACHE, "full", print) as (bf16, w4):
         model_dir = w4 if args.checkpoint == "w4" else bf16
     gpu = ProcessGpuMemory()
 

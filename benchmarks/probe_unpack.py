@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench import DEFAULT_CACHE, matched_budget
-from benchmarks.workloads import FULL, checkpoints
+from benchmarks.bench import matched_budget
+from benchmarks.workloads import DEFAULT_CACHE, FULL, checkpoints
 
 ROWS = ("image/b1", "image/b8", "audio_short/b1", "audio_short/b8", "audio_long/b1", "video/b1", "video/b8")
 

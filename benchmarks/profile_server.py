@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks.http_load import burst
 from benchmarks.server_process import free_port, running
-from benchmarks.workloads import checkpoints
+from benchmarks.workloads import DEFAULT_CACHE, checkpoints
 
 SHORT = json.dumps({"model": "eg2", "input": "what is the capital of france", "encoding_format": "base64"})
 DOCS = json.dumps(
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--size", choices=("full", "tiny"), default="full", help="tiny: a CPU smoke run")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    with checkpoints(None, Path.home() / ".cache/eg2/bench", args.size, print) as (_, w4):
+    with checkpoints(None, DEFAULT_CACHE, args.size, print) as (_, w4):
         model = w4  # generated once under the cache directory: it outlives the context
     port = free_port()
     url = f"http://127.0.0.1:{port}"

@@ -264,22 +264,24 @@ def named(factory: Factory, sizes: Sizes) -> list[Workload]:
     """The named workloads of issues #12 and #15, with `sizes`' counts (theirs in full mode). Each is
     measured as the time of one round: all its calls, one after the other."""
     media = sizes.media
-    one = _one
     image = factory.image(*NAMED_IMAGE_SIZE)
     clip = factory.audio(sizes.audio[0])
     video = factory.video(sizes.video_frames)
     w, h = NAMED_IMAGE_SIZE
     return [
         *named_text(factory, sizes),
-        one("image_one", f"1 image {w}x{h}", "image", [(image,)]),
-        one("images_one_call", f"{media} images {w}x{h}, one call", "image", [(image,) * media]),
-        one("audio_one", f"1 clip {sizes.audio[0]:g} s", "audio", [(clip,)]),
-        one("audio_one_call", f"{media} clips {sizes.audio[0]:g} s, one call", "audio", [(clip,) * media]),
-        one("video_one", f"1 video, {sizes.video_frames} frames", "video", [(video,)]),
+        _one("image_one", f"1 image {w}x{h}", "image", [(image,)]),
+        _one("images_one_call", f"{media} images {w}x{h}, one call", "image", [(image,) * media]),
+        _one("audio_one", f"1 clip {sizes.audio[0]:g} s", "audio", [(clip,)]),
+        _one("audio_one_call", f"{media} clips {sizes.audio[0]:g} s, one call", "audio", [(clip,) * media]),
+        _one("video_one", f"1 video, {sizes.video_frames} frames", "video", [(video,)]),
     ]
 
 
 # ------------------------------------------------------------------------------------- checkpoints
+
+# Where `checkpoints` generates the random-weight checkpoints, for the bench and every probe.
+DEFAULT_CACHE = Path.home() / ".cache" / "eg2" / "bench"
 
 
 def _quantize(src: Path, dst: Path) -> int:

@@ -79,10 +79,6 @@ class TextAttention(nn.Module):
         plain = plain_linears(self.q_proj, self.k_proj, self.v_proj)
         return {"qkv": ("q_proj", "k_proj", "v_proj")} if plain else {}
 
-    def project_raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(..., H) -> the three projections, before their norms."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(..., H) -> q (..., nh, hd), k and v (..., kv, hd), normed: the per-token half of attention.
 
@@ -123,7 +119,11 @@ class TextAttention(nn.Module):
         else:
             # (N, (nh + 2 kv) hd): one matmul where the merged weight is live, else three
             w = live_weight(self.qkv, self.q_proj, self.k_proj, self.v_proj)
-            qkv = F.linear(x, w) if w is not None else torch.cat(self.project_raw(x), dim=-1)
+            qkv = (
+                F.linear(x, w)
+                if w is not None
+                else torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+            )
             norms = (self.q_norm, self.k_norm, self.v_norm)
             q, k, v = self.fused(
                 qkv,

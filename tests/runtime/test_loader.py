@@ -37,14 +37,13 @@ def test_report_counts_what_is_stored(tiny_w4: Path) -> None:
 def test_merged_projections_hold_the_stored_weights_once(tiny_bf16: Path) -> None:
     """Text attention's q, k, v and the text MLP's gate, up load into one merged tensor each, which
     the Linears view: the stored values, and no second copy (the report counts what is resident)."""
-    from eg2_runtime.layers import GatedMLP
-    from eg2_runtime.text import TextAttention
+    from eg2_runtime.text import MERGING
 
     model, report = load_model(tiny_bf16, "cpu", modalities={"text"}, dtype=torch.bfloat16)
     stored = load_file(str(tiny_bf16 / "model.safetensors"))
     merged = 0
     for name, m in model.named_modules():
-        if isinstance(m, (TextAttention, GatedMLP)) and m.merges():
+        if isinstance(m, MERGING) and m.merges():
             for attr, linears in m.merges().items():
                 whole = getattr(m, attr).weight
                 parts = [stored[f"{name}.{linear}.weight"].to(torch.bfloat16) for linear in linears]

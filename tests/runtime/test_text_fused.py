@@ -47,9 +47,10 @@ SCRIPT = textwrap.dedent(
         encoder = load_model(model_dir, "cpu", {"text"}, dtype=dtype)[0].language_model
         reference = run(encoder, dtype)
         # Each layer's PLE slice when it runs (a batch past PLE_UPFRONT_TOKENS) against all up front
+        upfront_default = text.PLE_UPFRONT_TOKENS
         text.PLE_UPFRONT_TOKENS = 0
         layer_by_layer = run(encoder, dtype)
-        text.PLE_UPFRONT_TOKENS = 256
+        text.PLE_UPFRONT_TOKENS = upfront_default
         if dtype == torch.float32:
             assert fp32_error(layer_by_layer[0], reference[0]) <= 1e-5
         else:
@@ -62,7 +63,7 @@ SCRIPT = textwrap.dedent(
                 assert m.qkv is not None and m.qkv.live(m.q_proj, m.k_proj, m.v_proj)
             if isinstance(m, GatedMLP):
                 assert m.gate_up is not None and m.gate_up.live(m.gate_proj, m.up_proj)
-        for upfront in (256, 0):
+        for upfront in (upfront_default, 0):
             text.PLE_UPFRONT_TOKENS = upfront
             fused = run(encoder, dtype)
             if dtype == torch.float32:
@@ -71,7 +72,7 @@ SCRIPT = textwrap.dedent(
                 assert not torch.equal(fused[0], reference[0]), "bit-identical: did the kernels run?"
             else:
                 assert cos(fused[1], reference[1]).min() >= 0.9999, ("bf16 cosine", upfront, cos(fused[1], reference[1]))
-        text.PLE_UPFRONT_TOKENS = 256
+        text.PLE_UPFRONT_TOKENS = upfront_default
         assert use_fused_kernels(encoder, enable=False) == 0
         assert torch.equal(run(encoder, dtype)[0], reference[0]), "enable=False is not the reference"
         runs[dtype] = reference, fused
