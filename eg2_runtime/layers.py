@@ -6,6 +6,7 @@ Module and parameter names match the Hugging Face checkpoint, so a state dict lo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -185,17 +186,36 @@ class ClippableLinear(nn.Module):
         super().__init__()
         self.linear = nn.Linear(in_features, out_features, bias=False)
         self.clipped = clipped
+        # (input_min, input_max, output_min, output_max) as Python floats once `freeze_bounds` has
+        # read them; None: the reference path, which clamps by the buffers on every call.
+        self.bounds: tuple[float, float, float, float] | None = None
         if clipped:
             self.input_min = nn.Buffer(torch.tensor(-float("inf")))
             self.input_max = nn.Buffer(torch.tensor(float("inf")))
             self.output_min = nn.Buffer(torch.tensor(-float("inf")))
             self.output_max = nn.Buffer(torch.tensor(float("inf")))
 
+    def freeze_bounds(self) -> None:
+        """Read the loaded bounds once. A clamp by tensor bounds runs PyTorch's generic broadcasting
+        kernel (three inputs, two of stride 0); by Python floats, its vectorized one-input kernel, and a
+        pair of infinite bounds is no clamp at all. The values are the buffers' own, so the results are
+        bit for bit the reference's: a clamp only ever returns its input or a bound."""
+        if self.clipped:
+            bounds = torch.stack([self.input_min, self.input_max, self.output_min, self.output_max])
+            lo, hi, out_lo, out_hi = bounds.float().tolist()
+            self.bounds = (lo, hi, out_lo, out_hi)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.clipped:
             return self.linear(x)
-        x = torch.clamp(x, self.input_min, self.input_max)
-        return torch.clamp(self.linear(x), self.output_min, self.output_max)
+        if self.bounds is None:
+            x = torch.clamp(x, self.input_min, self.input_max)
+            return torch.clamp(self.linear(x), self.output_min, self.output_max)
+        lo, hi, out_lo, out_hi = self.bounds
+        if lo > -math.inf or hi < math.inf:
+            x = x.clamp(lo, hi)
+        y = self.linear(x)  # a tensor of its own: clamped in place
+        return y.clamp_(out_lo, out_hi) if out_lo > -math.inf or out_hi < math.inf else y
 
 
 def key_padding_mask(valid: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError
-from eg2_runtime.layers import MergedWeight, end_to_end
+from eg2_runtime.layers import ClippableLinear, MergedWeight, end_to_end
 from eg2_runtime.model import EG2Model
 from eg2_runtime.quant import PACK, PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
 from eg2_runtime.text import MERGING
@@ -221,6 +221,9 @@ def load_model(
         with torch.no_grad():
             pack_linears(model, group_size)
     model.eval().requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, ClippableLinear):
+            module.freeze_bounds()
     report = build_report(model)
     if unpack_hooks:
         model.unpacker = Unpacker.attach(model, cdtype, unpack_ahead)
