@@ -1,13 +1,16 @@
 """Probe (GPU): where `eg2 serve`'s own CPU time goes under load, with py-spy on the server process.
 
-    python -m benchmarks.profile_server --out DIR [--py-spy PATH] [--seconds 12]
+    python -m benchmarks.profile_server --out DIR [--py-spy PATH] [--seconds 12] [--loads 128,8,16] [--wall]
 
 Boots `eg2 serve` on the generated full-size hybrid-w4 checkpoint (as `eg2 bench` does), then, for
 each load below, records the server with `py-spy record --gil --threads` (a sample only when a
 thread holds the GIL, so the samples say which thread holds the interpreter and doing what) while
 this process's clients send it requests over loopback HTTP:
 - 128 clients, single short texts (the #15 sweep's point);
-- 8 clients, 64-text requests.
+- 8 clients, 64-text requests;
+- 16 clients, single 9.3 s clips (the #12 sweep's point).
+--loads picks some of them by their first word (128, 8, 16). --wall samples every thread whether
+or not it holds the GIL, waits included, and summarizes the GPU thread: where a batch's time goes.
 Writes, per load, the raw samples (`<load>.txt`) and a summary (`profile.json`): requests/s, the
 share of samples per thread, and the top functions by self and by inclusive samples.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import json
 import os
@@ -29,6 +33,7 @@ from typing import Any
 from benchmarks.http_load import burst
 from benchmarks.server_process import free_port, running
 from benchmarks.workloads import DEFAULT_CACHE, checkpoints
+from eg2_runtime import samples
 
 SHORT = json.dumps({"model": "eg2", "input": "what is the capital of france", "encoding_format": "base64"})
 DOCS = json.dumps(
@@ -38,12 +43,29 @@ DOCS = json.dumps(
         "encoding_format": "base64",
     }
 )
-LOADS = (("128 clients, short texts", SHORT, 128), ("8 clients, 64 texts", DOCS, 8))
+CLIP = json.dumps(
+    {
+        "model": "eg2",
+        "input": [
+            {
+                "type": "input_audio",
+                "input_audio": {"data": base64.b64encode(samples.wav(9.3)).decode(), "format": "wav"},
+            }
+        ],
+        "encoding_format": "base64",
+    }
+)
+GPU_THREAD = "eg2-gpu-0"  # app.batcher's one GPU thread
+LOADS = (
+    ("128 clients, short texts", SHORT, 128),
+    ("8 clients, 64 texts", DOCS, 8),
+    ("16 clients, single clips", CLIP, 16),
+)
 
 
-def summarize(raw: Path, top: int = 25) -> dict[str, Any]:
+def summarize(raw: Path, top: int = 25, thread: str | None = None) -> dict[str, Any]:
     """py-spy's raw (collapsed) stacks -> samples per thread, and the top frames by self and inclusive
-    samples over all threads."""
+    samples over all threads, or over `thread`'s samples alone."""
     threads: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
@@ -54,13 +76,21 @@ def summarize(raw: Path, top: int = 25) -> dict[str, Any]:
             continue
         n = int(count)
         frames = stack.split(";")
+        name = frames[0].split(":")[-1].strip()
+        threads[name] += n
+        if thread is not None and name != thread:
+            continue
         total += n
-        threads[frames[0].split(":")[-1].strip()] += n
         own[frames[-1]] += n
         for frame in set(frames[1:]):
             inclusive[frame] += n
-    share = lambda c: [(k[:160], round(v / max(total, 1), 4)) for k, v in c.most_common(top)]  # noqa: E731
-    return {"samples": total, "threads": share(threads), "self": share(own), "inclusive": share(inclusive)}
+    share = lambda c, t: [(k[:160], round(v / max(t, 1), 4)) for k, v in c.most_common(top)]  # noqa: E731
+    return {
+        "samples": total,
+        "threads": share(threads, sum(threads.values())),
+        "self": share(own, total),
+        "inclusive": share(inclusive, total),
+    }
 
 
 def main() -> None:
@@ -69,6 +99,13 @@ def main() -> None:
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--size", choices=("full", "tiny"), default="full", help="tiny: a CPU smoke run")
+    parser.add_argument("--loads", default="128,8,16", help="the loads to run, by their client counts")
+    parser.add_argument(
+        "--wall",
+        action="store_true",
+        help="sample every thread all the time (waits included) instead of the GIL's holder, and summarize "
+        "the GPU thread alone: where a batch's wall time goes",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with checkpoints(None, DEFAULT_CACHE, args.size, print) as (_, w4):
@@ -77,16 +114,17 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--port", str(port)]
     cmd += ["--log-level", "warning"]
-    result: dict[str, Any] = {"command": " ".join(cmd)}
+    result: dict[str, Any] = {"command": " ".join(cmd), "wall": args.wall}
+    mode = ["--idle"] if args.wall else ["--gil"]
     with running(cmd, dict(os.environ), url, ready_timeout=300) as server:
-        for name, body, clients in LOADS:
+        for name, body, clients in [x for x in LOADS if str(x[2]) in args.loads.split(",")]:
             t0 = time.perf_counter()
             asyncio.run(burst(url, body.encode(), 5 * clients, clients))  # warm: captures, workers
             count = max(clients, int(5 * clients / (time.perf_counter() - t0) * args.seconds))
             raw = args.out / (name.split(",")[0].replace(" ", "-") + ".txt")
             record = ["record", "-p", str(server.pid), "-o", str(raw), "-f", "raw", "-r", "250"]
             spy = subprocess.Popen(
-                [args.py_spy, *record, "-d", str(int(args.seconds)), "--gil", "--threads", "--nonblocking"],
+                [args.py_spy, *record, "-d", str(int(args.seconds)), *mode, "--threads", "--nonblocking"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
             )
@@ -95,7 +133,11 @@ def main() -> None:
             asyncio.run(burst(url, body.encode(), count, clients))  # about as long as the recording
             rate = count / (time.perf_counter() - t0)
             spy.wait(timeout=args.seconds + 60)
-            row = summarize(raw) if raw.exists() else {"error": "py-spy wrote nothing"}
+            row = (
+                summarize(raw, thread=GPU_THREAD if args.wall else None)
+                if raw.exists()
+                else {"error": "py-spy wrote nothing"}
+            )
             result[name] = {"requests_per_s": round(rate, 1), **row}
             print(name, json.dumps(result[name])[:2000], flush=True)
     (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
