@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 from pathlib import Path
+from typing import cast
 from urllib.parse import unquote, urlsplit
 
 import pybase64
@@ -88,7 +89,30 @@ class MediaResolver:
         self._media_dir = settings.media_dir.resolve() if settings.media_dir else None
 
     async def items(self, request: InputRequest) -> list[Item]:
-        """The request's items; `segments` set on those sent alone (a string or a single part)."""
+        """The request's items; `segments` set on those sent alone (a string or a single part).
+
+        A request of plain strings takes a fast path: the Items `items_by_part`, its reference, gives.
+        """
+        strings = self._strings(request)
+        if strings is not None:
+            spec = request.segments.spec() if request.segments is not None else None
+            return [Item((TextPart(text),), spec) for text in strings]
+        return await self.items_by_part(request)
+
+    def _strings(self, request: InputRequest) -> list[str] | None:
+        """The input when it is a string or an array of strings, None otherwise. Each is an item of one
+        text part, sent alone: within whatever limits `check_counts` holds it to (one part, no media)."""
+        s, value = self._settings, request.input
+        if s.max_item_parts < 1 or s.max_request_media < 0:  # outside Settings' bounds: check_counts decides
+            return None
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(type(x) is str for x in value):
+            return cast("list[str]", value)
+        return None
+
+    async def items_by_part(self, request: InputRequest) -> list[Item]:
+        """`items` for any request, part by part: the limits checked, each part resolved on its own."""
         self.check_counts(request)
         spec = request.segments.spec() if request.segments is not None else None
         items = []

@@ -474,11 +474,10 @@ def base64_rows(rows: np.ndarray) -> list[str]:
     """(N, k) array -> each row's bytes in base64 (what `base64.b64encode(row.tobytes())` gives).
 
     pybase64 (SIMD) encodes many times faster than the standard library's byte-at-a-time loop
-    (docs/PERF.md). A row of a multiple of 3 bytes encodes without padding,
-    so the rows' bytes encoded in one call are their encodings end to end, cut every 4/3 of a row's
-    bytes: one call instead of one a row, for the full 768-d float32 rows (3,072 bytes) and int8 /
-    uint8 ones (768 bytes). Other widths (512-d float32: 2,048 bytes) end in padding, and encode a row
-    at a time."""
+    (docs/PERF.md). A row of a multiple of 3 bytes encodes without padding, so the rows' bytes encoded
+    in one call are their encodings end to end, cut every 4/3 of a row's bytes: one call instead of one
+    a row, for the full 768-d float32 rows (3,072 bytes) and int8 / uint8 ones (768 bytes). Other
+    widths (512-d float32: 2,048 bytes) end in padding, and encode a row at a time."""
     row_bytes = rows.shape[1] * rows.itemsize
     if rows.shape[0] < 2 or row_bytes % 3 or not row_bytes:
         return [pybase64.b64encode_as_string(row.tobytes()) for row in rows]

@@ -696,9 +696,8 @@ def _fuse_norms(model: EG2Model) -> None:
 
 def wrap_prepared(prepared: Prepared, span: Span | None = None) -> PreparedItem:
     """The service's view of a prepared item: its modality and cost, the model inputs inside."""
-    return PreparedItem(
-        prepared.modality, prepared.num_tokens, max(prepared.num_tokens, 1), inputs=prepared, span=span
-    )
+    n = prepared.num_tokens
+    return PreparedItem(prepared.modality, n, max(n, 1), inputs=prepared, span=span)
 
 
 def token_count(item: Item, prepared: Sequence[PreparedItem]) -> TokenCount:

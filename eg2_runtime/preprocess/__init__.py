@@ -7,6 +7,7 @@ video.py         decode, 1 fps sampling (<= 32 frames), per-frame patches
 layout.py        the token sequence: markers, placeholders, truncation; `Prepared`
 segments.py      where the spans of an item with segments lie (audio, video and text alike)
 preprocessor.py  `Preprocessor`: all of the above for one model directory
+text_batch.py    its fast path for a batch of text alone
 limits.py        decoder errors as client-safe reasons (the limits: eg2_runtime.inputs.MediaLimits)
 """
 

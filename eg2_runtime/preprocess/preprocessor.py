@@ -43,7 +43,7 @@ from eg2_runtime.inputs import (
     PrepareOptions,
     TextPart,
 )
-from eg2_runtime.preprocess import audio, image, segments, video
+from eg2_runtime.preprocess import audio, image, segments, text_batch, video
 from eg2_runtime.preprocess.layout import Markers, Prepared, check_text, expand
 from eg2_runtime.preprocess.text import CUT_WINDOW, MAX_TOKENS, Prompts, TextTokenizer
 
@@ -60,6 +60,7 @@ class Preprocessor:
         modalities: Sequence[MediaKind] | None = None,
         max_tokens: int = MAX_TOKENS,
         bounded_text: bool = True,
+        batched_text: bool = True,
     ) -> None:
         pc = processor_config or {}
         self.tokenizer = tokenizer
@@ -73,7 +74,11 @@ class Preprocessor:
         self.bounded_text = bounded_text
         # n tokens cover at most n * max_token_chars characters: text past this many cannot be kept.
         self.text_bound = max_tokens * tokenizer.max_token_chars
-        self._prompt_head = functools.lru_cache(maxsize=64)(self._split_prompt)
+        # (h, ids of prompt[:h]) for the prompt's last cut point h: what every item shares, cached.
+        self.prompt_head = functools.lru_cache(maxsize=64)(self._split_prompt)
+        # A batch of text alone (with bounded_text) takes text_batch.py's fast path; False: every batch
+        # takes `prepare_staged`, its reference (tests prove the two equal).
+        self.batched_text = batched_text
         vision = config.vision
         pixels = pc.get("image_processor") or {}  # patch geometry: the processor's, else the tower's
         self.geometry = image.PatchGeometry(
@@ -98,6 +103,7 @@ class Preprocessor:
         limits: MediaLimits | None = None,
         modalities: Sequence[MediaKind] | None = None,
         bounded_text: bool = True,
+        batched_text: bool = True,
     ) -> Preprocessor:
         model_dir = Path(model_dir)
         config = config or ModelConfig.from_dir(model_dir)
@@ -114,6 +120,7 @@ class Preprocessor:
                 limits=limits,
                 modalities=modalities,
                 bounded_text=bounded_text,
+                batched_text=batched_text,
             )
         except ValueError as e:  # a processor setting this implementation does not reproduce
             raise CheckpointError(f"processor_config.json: {e}") from e
@@ -249,7 +256,29 @@ class Preprocessor:
 
         `executor`: decode and featurize the media of the items in parallel (PIL, PyAV, soxr and
         numpy release the GIL for the heavy parts). `cancel`: checked between items and inside the
-        decoders (per video frame, per audio block); once set, the call raises Cancelled."""
+        decoders (per video frame, per audio block); once set, the call raises Cancelled.
+
+        A batch of text alone takes the fast path (text_batch.py): what `prepare_staged`, the general
+        path, gives, its rare items that need cutting at the bound or refusing in a second call."""
+        if self.batched_text and self.bounded_text:
+            out = text_batch.prepare_texts(self, items, options, raise_errors=raise_errors, cancel=cancel)
+            if out is not None:
+                return out
+        return self.prepare_staged(
+            items, options, raise_errors=raise_errors, executor=executor, cancel=cancel
+        )
+
+    def prepare_staged(
+        self,
+        items: Sequence[Item],
+        options: PrepareOptions,
+        *,
+        raise_errors: bool = False,
+        executor: Executor | None = None,
+        cancel: Event | None = None,
+    ) -> list[Prepared | EG2Error]:
+        """`prepare_batch` by the general path: each item staged (media decoded, its string rendered
+        with one placeholder per block), then all of their strings tokenized in one call."""
 
         def stage(item: Item) -> _Staged | EG2Error:
             check_cancel(cancel)
@@ -503,7 +532,7 @@ class Preprocessor:
             cut = True
         prompt = s.pieces[0][1]
         if prompt and kept[0] == prompt:  # not cut: its head is every item's
-            head, head_ids = self._prompt_head(prompt)
+            head, head_ids = self.prompt_head(prompt)
             kept[0] = prompt[head:]
             s.head = list(head_ids)
         s.text = "".join(kept)
