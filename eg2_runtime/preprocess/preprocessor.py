@@ -542,16 +542,23 @@ class Preprocessor:
         head = self.tokenizer.last_cut_point(prompt)
         return head, tuple(self.tokenizer.encode_batch([prompt[:head]])[0]) if head else ()
 
-    def _finish(self, s: _Staged, ids: list[int], options: PrepareOptions) -> Prepared:
-        input_ids, truncated = expand(
+    def expand_ids(
+        self, ids: list[int], soft: dict[int, Iterator[int]], options: PrepareOptions
+    ) -> tuple[torch.Tensor, bool]:
+        """An item's token ids -> (input_ids with <bos>, <eos> and its soft tokens, truncated?), cut to
+        the context or refused as `options.truncate` says (layout.expand)."""
+        return expand(
             ids,
-            {k: iter(v) for k, v in s.soft.items()},
+            soft,
             prefix=self.tokenizer.prefix,
             suffix=self.tokenizer.suffix,
             max_tokens=self.max_tokens,
             truncate=options.truncate,
             marker_ids=set(self.markers.ids.values()),
         )
+
+    def _finish(self, s: _Staged, ids: list[int], options: PrepareOptions) -> Prepared:
+        input_ids, truncated = self.expand_ids(ids, {k: iter(v) for k, v in s.soft.items()}, options)
         p = Prepared(
             input_ids=input_ids,
             modality=s.item.modality,

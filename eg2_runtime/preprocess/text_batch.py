@@ -9,8 +9,8 @@ head (`Preprocessor.prompt_head`), then its parts joined. Those strings go throu
 and every item's `<bos> head ids <eos>` into one int64 array, each item's input_ids a slice of it.
 
 Every other item (no parts, a marker string, text past the bound) is prepared by the reference path
-itself, in a call of its own; ids past the context go through `expand`, the reference's own
-truncation. tests/preprocess/test_preprocess_text_batch.py holds the two paths equal.
+itself, in a call of its own; ids past the context go through `Preprocessor.expand_ids`, the reference's
+own truncation. tests/preprocess/test_preprocess_text_batch.py holds the two paths equal.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from eg2_runtime.errors import EG2Error, check_cancel
 from eg2_runtime.inputs import IMAGE_TOKEN_BUDGETS, Item, PrepareOptions, TextPart
-from eg2_runtime.preprocess.layout import Prepared, expand
+from eg2_runtime.preprocess.layout import Prepared
 
 if TYPE_CHECKING:
     from eg2_runtime.preprocess.preprocessor import Preprocessor
@@ -102,15 +102,7 @@ def prepare_texts(
             fitting.append(i)
             continue
         try:  # over the context: the reference's truncation (or refusal), as `_finish` runs it
-            input_ids, truncated = expand(
-                [*head_ids, *ids],
-                {},
-                prefix=tok.prefix,
-                suffix=tok.suffix,
-                max_tokens=pre.max_tokens,
-                truncate=options.truncate,
-                marker_ids=set(pre.markers.ids.values()),
-            )
+            input_ids, truncated = pre.expand_ids([*head_ids, *ids], {}, options)
             out[i] = Prepared(input_ids=input_ids, modality="text", text_truncated=truncated)
         except EG2Error as e:
             if raise_errors:
