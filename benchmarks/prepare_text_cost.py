@@ -4,7 +4,9 @@ batcher.INLINE_MAX_ITEMS), on the real engine's preprocessor:
 1. Engine.prepare_many of one text of 30 to 4,000 characters;
 2. of 1 to 64 empty or 8-character items (what each item costs apart from its characters);
 3. a short call while another thread tokenizes big batches in a loop (does a call made outside the
-   tokenizers library's Rayon pool wait behind its work?).
+   tokenizers library's Rayon pool wait behind its work?);
+4. 64 docs of 120-360 characters and one short query by the text fast path (preprocess/text_batch.py) and
+   by its reference (`batched_text` off), the two interleaved round by round.
 
     python -m benchmarks.prepare_text_cost MODEL_DIR       (from the repository root)
 """
@@ -61,6 +63,19 @@ def main() -> None:
             f"{n:2d} items: empty {median_us(partial(engine.prepare_many, empty, OPTIONS)):6.1f} us, "
             f"8 characters each {median_us(partial(engine.prepare_many, short, OPTIONS)):6.1f} us"
         )
+
+    pre = engine.preprocessor
+    docs = [Item((TextPart(" ".join(WORDS.split() * 6)[: 6 * (20 + 40 * i // 63)]),)) for i in range(64)]
+    for name, items in (("64 docs", docs), ("1 query", [Item((TextPart("what is the capital of france"),))])):
+        fast, reference = [], []
+        for _ in range(8):  # interleaved: a drift of the machine's speed lands on both
+            pre.batched_text = True
+            fast.append(median_us(partial(engine.prepare_many, items, OPTIONS), rounds=100))
+            pre.batched_text = False
+            reference.append(median_us(partial(engine.prepare_many, items, OPTIONS), rounds=100))
+        pre.batched_text = True
+        f, r = statistics.median(fast), statistics.median(reference)
+        print(f"{name}: fast path {f:7.1f} us, reference {r:7.1f} us ({f / r:.2f}x)")
 
     def one_short() -> object:
         return tokenizer.encode_batch(["what is the capital of france"])
