@@ -8,9 +8,11 @@ thread holds the GIL, so the samples say which thread holds the interpreter and 
 this process's clients send it requests over loopback HTTP:
 - 128 clients, single short texts (the #15 sweep's point);
 - 8 clients, 64-text requests;
-- 16 clients, single 9.3 s clips (the #12 sweep's point).
---loads picks some of them by their first word (128, 8, 16). --wall samples every thread whether
-or not it holds the GIL, waits included, and summarizes the GPU thread: where a batch's time goes.
+- 16 clients, single 9.3 s clips (the #12 sweep's point);
+- 1 client, 64-text requests one after another (where one call's latency goes).
+--loads picks some of them by their first word (128, 8, 16, 1). --wall samples every thread whether
+or not it holds the GIL, waits included, and summarizes the GPU thread, the event loop and one
+preprocessing thread, each alone: where their wall time goes.
 Writes, per load, the raw samples (`<load>.txt`) and a summary (`profile.json`): requests/s, the
 share of samples per thread, and the top functions by self and by inclusive samples.
 """
@@ -56,10 +58,13 @@ CLIP = json.dumps(
     }
 )
 GPU_THREAD = "eg2-gpu-0"  # app.batcher's one GPU thread
+# --wall summarizes these one by one: the GPU thread, the event loop's, a preprocessing thread.
+WALL_THREADS = (GPU_THREAD, "MainThread", "eg2-prepare-0")
 LOADS = (
     ("128 clients, short texts", SHORT, 128),
     ("8 clients, 64 texts", DOCS, 8),
     ("16 clients, single clips", CLIP, 16),
+    ("1 client, 64 texts", DOCS, 1),
 )
 
 
@@ -104,7 +109,8 @@ def main() -> None:
         "--wall",
         action="store_true",
         help="sample every thread all the time (waits included) instead of the GIL's holder, and summarize "
-        "the GPU thread alone: where a batch's wall time goes",
+        "the GPU thread, the event loop and one preprocessing thread each on its own: where their wall "
+        "time goes",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -133,11 +139,12 @@ def main() -> None:
             asyncio.run(burst(url, body.encode(), count, clients))  # about as long as the recording
             rate = count / (time.perf_counter() - t0)
             spy.wait(timeout=args.seconds + 60)
-            row = (
-                summarize(raw, thread=GPU_THREAD if args.wall else None)
-                if raw.exists()
-                else {"error": "py-spy wrote nothing"}
-            )
+            if not raw.exists():
+                row: dict[str, Any] = {"error": "py-spy wrote nothing"}
+            elif args.wall:
+                row = {thread: summarize(raw, thread=thread) for thread in WALL_THREADS}
+            else:
+                row = summarize(raw)
             result[name] = {"requests_per_s": round(rate, 1), **row}
             print(name, json.dumps(result[name])[:2000], flush=True)
     (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
