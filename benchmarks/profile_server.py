@@ -14,7 +14,8 @@ this process's clients send it requests over loopback HTTP:
 or not it holds the GIL, waits included, and summarizes the GPU thread, the event loop and one
 preprocessing thread, each alone: where their wall time goes.
 Writes, per load, the raw samples (`<load>.txt`) and a summary (`profile.json`): requests/s, the
-share of samples per thread, and the top functions by self and by inclusive samples.
+server's own stage split from /metrics (batches, items, mean ms preparing, queueing, a batch on the
+GPU), the share of samples per thread, and the top functions by self and by inclusive samples.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.http_load import burst
+import httpx
+
+from benchmarks.http_load import burst, server_stages, stage_split
 from benchmarks.server_process import free_port, running
 from benchmarks.workloads import DEFAULT_CACHE, checkpoints
 from eg2_runtime import samples
@@ -135,9 +138,11 @@ def main() -> None:
                 stderr=subprocess.STDOUT,
             )
             time.sleep(1.0)  # py-spy attaches
+            before = server_stages(httpx.get(f"{url}/metrics").text)
             t0 = time.perf_counter()
             asyncio.run(burst(url, body.encode(), count, clients))  # about as long as the recording
             rate = count / (time.perf_counter() - t0)
+            stages = stage_split(before, server_stages(httpx.get(f"{url}/metrics").text))
             spy.wait(timeout=args.seconds + 60)
             if not raw.exists():
                 row: dict[str, Any] = {"error": "py-spy wrote nothing"}
@@ -145,7 +150,7 @@ def main() -> None:
                 row = {thread: summarize(raw, thread=thread) for thread in WALL_THREADS}
             else:
                 row = summarize(raw)
-            result[name] = {"requests_per_s": round(rate, 1), **row}
+            result[name] = {"requests_per_s": round(rate, 1), "server": stages, **row}
             print(name, json.dumps(result[name])[:2000], flush=True)
     (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
 
