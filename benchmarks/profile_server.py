@@ -1,6 +1,7 @@
 """Probe (GPU): where `eg2 serve`'s own CPU time goes under load, with py-spy on the server process.
 
     python -m benchmarks.profile_server --out DIR [--py-spy PATH] [--seconds 12] [--loads 128,8,16] [--wall]
+        [--prime]
 
 Boots `eg2 serve` on the generated full-size hybrid-w4 checkpoint (as `eg2 bench` does), then, for
 each load below, records the server with `py-spy record --gil --threads` (a sample only when a
@@ -60,6 +61,22 @@ CLIP = json.dumps(
         "encoding_format": "base64",
     }
 )
+
+
+def _media_calls() -> list[bytes]:
+    """The bench's named media calls (benchmarks/workloads.py): 16 images of 641x479 in one call, an
+    8-frame video, 16 clips of 9.3 s in one call. --prime sends each once before the loads, as the
+    bench's named phase does before its sweep: the tower graphs they capture share one pool."""
+    png = base64.b64encode(samples.png(641, 479)).decode()
+    mp4 = base64.b64encode(samples.mp4(8, 1, 640, 480)).decode()
+    wav = base64.b64encode(samples.wav(9.3)).decode()
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}}
+    video = {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{mp4}"}}
+    clip = {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}
+    inputs: list[list[Any]] = [[image] * 16, [video], [clip] * 16]
+    return [json.dumps({"model": "eg2", "input": x, "encoding_format": "base64"}).encode() for x in inputs]
+
+
 GPU_THREAD = "eg2-gpu-0"  # app.batcher's one GPU thread
 # --wall summarizes these one by one: the GPU thread, the event loop's, a preprocessing thread.
 WALL_THREADS = (GPU_THREAD, "MainThread", "eg2-prepare-0")
@@ -115,6 +132,12 @@ def main() -> None:
         "the GPU thread, the event loop and one preprocessing thread each on its own: where their wall "
         "time goes",
     )
+    parser.add_argument(
+        "--prime",
+        action="store_true",
+        help="first send the bench's named media calls once (16 images, a video, 16 clips), as its named "
+        "phase does before its sweep",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with checkpoints(None, DEFAULT_CACHE, args.size, print) as (_, w4):
@@ -125,7 +148,10 @@ def main() -> None:
     cmd += ["--log-level", "warning"]
     result: dict[str, Any] = {"command": " ".join(cmd), "wall": args.wall}
     mode = ["--idle"] if args.wall else ["--gil"]
+    result["primed"] = args.prime
     with running(cmd, dict(os.environ), url, ready_timeout=300) as server:
+        for call in _media_calls() if args.prime else []:
+            asyncio.run(burst(url, call, 1, 1))
         for name, body, clients in [x for x in LOADS if str(x[2]) in args.loads.split(",")]:
             t0 = time.perf_counter()
             asyncio.run(burst(url, body.encode(), 5 * clients, clients))  # warm: captures, workers
