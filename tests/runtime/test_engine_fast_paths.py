@@ -323,3 +323,33 @@ def test_the_model_thread_takes_the_cpu_threads_the_options_give(tiny_fp32: Path
 
     with ThreadPoolExecutor(1) as fresh:
         assert fresh.submit(embed_here).result() == 1
+
+
+def test_the_fast_log_mel_gives_the_reference_paths_vectors(tiny_fp32: Path) -> None:
+    """preprocess/audio.LogMel: torch's FFT (what serves) against the reference extractor's numpy
+    arithmetic, through the whole model: a loud chirp and a tone, whose floor-level bins differ most."""
+    engine = Engine.from_dir(tiny_fp32, device="cpu")
+    t = np.arange(int(9.3 * 16_000)) / 16_000
+    chirp = (0.9 * np.sin(2 * np.pi * (100 + 2000 * t) * t)).astype(np.float32)
+    items = [Item((MediaPart("audio", wav, "wav"),)) for wav in (samples.wav(9.3), _wav(chirp))]
+
+    def vectors() -> np.ndarray:
+        prepared = engine.prepare_many(items, PrepareOptions())
+        assert not any(isinstance(p, EG2Error) for p in prepared)
+        return engine.embed(prepared)  # type: ignore[arg-type]
+
+    fast = vectors()
+    engine.preprocessor.log_mel.fast = False
+    ref = vectors()
+    assert not np.array_equal(fast, ref)  # FP32 on the CPU is deterministic: the paths did differ
+    assert ((fast * ref).sum(axis=1) >= 0.99999).all(), (fast * ref).sum(axis=1)
+
+
+def _wav(wave: np.ndarray) -> bytes:
+    import io
+
+    import soundfile as sf
+
+    out = io.BytesIO()
+    sf.write(out, wave, 16_000, format="WAV", subtype="FLOAT")
+    return out.getvalue()
