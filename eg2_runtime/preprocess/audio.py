@@ -49,6 +49,9 @@ _SOUNDFILE_MAGIC = (b"RIFF", b"RF64", b"fLaC", b"OggS", b"FORM")
 # PyAV demuxers we accept; anything else FFmpeg might guess from the bytes is refused.
 _AV_FORMATS = {"mp3", containers.MP4, containers.MATROSKA, "ogg", "wav", "flac", "aac"}
 _BLOCK = 65_536  # frames per soundfile read: channels are averaged per block to bound memory
+# LogMel's fast path takes waves within this peak (integer PCM decodes to [-1, 1]); louder float
+# waves take the reference path, where the two float32 FFTs' rounding noise would differ visibly.
+FAST_MAX_AMPLITUDE = 1.0
 _UNKNOWN_FRAMES = 2**62  # libsndfile reports SF_COUNT_MAX frames when a length is unknown
 
 
@@ -80,8 +83,11 @@ class MelConfig:
             raise ValueError(f"audio feature extractor settings not supported: {bad}")
         rate = int(d.get("sampling_rate", SAMPLE_RATE))
         mean, std = d.get("per_bin_mean"), d.get("per_bin_stddev")
+        size = int(d.get("feature_size", 128))
+        if any(v is not None and len(v) != size for v in (mean, std)):
+            raise ValueError(f"audio feature extractor: per_bin_mean and per_bin_stddev need {size} values")
         return cls(
-            feature_size=int(d.get("feature_size", 128)),
+            feature_size=size,
             sampling_rate=rate,
             frame_length=round(rate * d.get("frame_length_ms", 20.0) / 1000.0),
             hop_length=round(rate * d.get("hop_length_ms", 10.0) / 1000.0),
@@ -107,7 +113,9 @@ class LogMel:
     The cost: both FFTs round in float32, differently, so in bins far below a loud pure tone, where
     the spectrum is rounding noise near the mel floor, the log-mels differ by up to ~0.01; in
     broadband audio by ~2e-5. tests/preprocess/test_preprocess_audio.py bounds both and checks the
-    clip's vector against the reference path's."""
+    clip's vector against the reference path's. That rounding noise grows with the signal, so a wave
+    louder than FAST_MAX_AMPLITUDE (a float file holding, say, int16-scale values: at 32768 the bins
+    differed by up to 4.5) takes the reference path; every integer PCM decodes within it."""
 
     fast = True
 
@@ -119,12 +127,20 @@ class LogMel:
         self.filters = mel_filter_bank(config)  # (fft_length // 2 + 1, feature_size) float64
         self._window = torch.from_numpy(self.window)
         self._filters = torch.from_numpy(self.filters).float()
-        self._shift = None if config.per_bin_mean is None else torch.tensor(config.per_bin_mean)
-        self._scale = None if config.per_bin_stddev is None else torch.tensor(config.per_bin_stddev)
+        # float64, as the reference normalizes its float64 log-mels
+        self._shift = (
+            None if config.per_bin_mean is None else torch.tensor(config.per_bin_mean, dtype=torch.float64)
+        )
+        self._scale = (
+            None
+            if config.per_bin_stddev is None
+            else torch.tensor(config.per_bin_stddev, dtype=torch.float64)
+        )
 
     def __call__(self, wave: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(n,) float32 at 16 kHz, n <= max_samples -> features (F, 128) float32, mask (F,) bool."""
-        return self._torch(wave) if self.fast else self.reference(wave)
+        loud = wave.size > 0 and float(np.abs(wave).max()) > FAST_MAX_AMPLITUDE
+        return self._torch(wave) if self.fast and not loud else self.reference(wave)
 
     def _torch(self, wave: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
@@ -135,10 +151,13 @@ class LogMel:
         frames = torch.from_numpy(x).as_strided((len(mask), c.frame_length), (c.hop_length, 1))
         spectrum = torch.fft.rfft(frames * self._window, n=c.fft_length, dim=-1).abs()  # (F, 257)
         log_mel = torch.log(spectrum @ self._filters + c.mel_floor)  # (F, 128) float32
-        if self._shift is not None:
-            log_mel -= self._shift
-        if self._scale is not None:
-            log_mel /= self._scale
+        if self._shift is not None or self._scale is not None:
+            log_mel = log_mel.double()
+            if self._shift is not None:
+                log_mel -= self._shift
+            if self._scale is not None:
+                log_mel /= self._scale
+            log_mel = log_mel.float()
         features = log_mel.numpy()
         features[~mask] = 0.0
         return features, mask

@@ -16,7 +16,14 @@ import pytest
 
 from eg2_runtime import samples
 from eg2_runtime.errors import Cancelled, InputTooLongError, MediaDecodeError
-from eg2_runtime.preprocess.audio import MAX_SAMPLES, LogMel, MelConfig, load_audio, num_soft_tokens
+from eg2_runtime.preprocess.audio import (
+    FAST_MAX_AMPLITUDE,
+    MAX_SAMPLES,
+    LogMel,
+    MelConfig,
+    load_audio,
+    num_soft_tokens,
+)
 from tests.support import media
 from tests.support.log_mel import ENERGETIC, assert_log_mel_close
 
@@ -93,6 +100,28 @@ def test_the_fast_path_differs_only_where_the_spectrum_is_rounding_noise(wave: n
     ref_features, _ = LOG_MEL.reference(wave)
     assert (ref_features > ENERGETIC).any()
     assert_log_mel_close(features, ref_features)
+
+
+def test_a_wave_louder_than_pcm_takes_the_reference_path() -> None:
+    """A float file may hold int16-scale values; there the two FFTs' rounding noise differs by whole
+    log units, so such a wave is featurized by the reference arithmetic itself."""
+    loud = _chirp(3.0, 32768.0)
+    assert np.array_equal(LOG_MEL(loud)[0], LOG_MEL.reference(loud)[0])
+    at_full_scale = _chirp(3.0, FAST_MAX_AMPLITUDE)
+    assert not np.array_equal(LOG_MEL(at_full_scale)[0], LOG_MEL.reference(at_full_scale)[0])
+
+
+def test_per_bin_normalization_matches_the_reference_path() -> None:
+    rng = np.random.default_rng(0)
+    mean, std = rng.normal(-4, 1, 128), rng.uniform(0.5, 2.0, 128)
+    log_mel = LogMel(MelConfig.from_dict({"per_bin_mean": list(mean), "per_bin_stddev": list(std)}))
+    wave = media.noise(2.0, 16_000)[:, 0]
+    features, _ = log_mel(wave)
+    ref_features, _ = log_mel.reference(wave)
+    assert not np.array_equal(features, LOG_MEL(wave)[0])  # normalized
+    assert np.abs(features - ref_features).max() <= 1e-4
+    with pytest.raises(ValueError, match="128 values"):
+        MelConfig.from_dict({"per_bin_mean": [0.0] * 127})
 
 
 @pytest.mark.parametrize("n", [1600, 16_000, 160_000, 480_000])
