@@ -11,6 +11,7 @@ Writes costs.json into DIR.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,9 @@ import torch
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.graphs import GraphedTextEncoder, GraphPool
 from eg2_runtime.model import pool as mean_pool
+from eg2_runtime.packed_graphs import PackedTextGraphs
+from eg2_runtime.packing import Packing
+from eg2_runtime.text import MLP_ROWS
 from eg2_runtime.tower_graphs import GraphedTowers
 
 UNBOUNDED = 1 << 40
@@ -51,6 +55,30 @@ def pool_growth(capture: Callable[[GraphPool], object]) -> int:
     return torch.cuda.memory_reserved() - before
 
 
+def packed_costs(lm: Any, h: int, dt: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The packed text path as served (packed_graphs.py): the eager peak of one forward per layout,
+    with the MLP in chunks of MLP_ROWS and whole (mlp_rows past the batch); the growth of a fresh
+    pool capturing one token bucket."""
+    eager: dict[str, Any] = {}
+    layouts = {"1x8192": [8192], "1x4096": [4096], "1x2200": [2200], "64x64": [64] * 64}
+
+    def forward(x: torch.Tensor, packing: Packing, rows: int) -> torch.Tensor:
+        return packing.pool(lm.forward_packed(x, packing, mlp_rows=rows).float())
+
+    for name, lengths in layouts.items():
+        n = sum(lengths)
+        x = torch.randn(n, h, dtype=dt, device="cuda")
+        packing = Packing.from_lengths(lengths, "cuda")
+        for rows, label in ((MLP_ROWS, "mlp_rows"), (UNBOUNDED, "mlp_whole")):
+            peak = eager_peak(functools.partial(forward, x, packing, rows))
+            eager.setdefault(name, {})[label] = {"bytes": peak, "per_token": peak // n}
+    graph: dict[str, Any] = {}
+    for n in (512, 1024, 2048, 4096, 8192):
+        growth = pool_growth(lambda p, n=n: PackedTextGraphs(lm, n, pool=p)._capture(n))  # type: ignore[misc]
+        graph[str(n)] = {"bytes": growth, "per_token": growth // n}
+    return eager, graph
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, required=True)
@@ -74,6 +102,8 @@ def main() -> None:
             growth = pool_growth(lambda p, b=b, t=t: GraphedTextEncoder(lm, b * t, pool=p)._capture((b, t)))  # type: ignore[misc]
             out["text_graph"][f"{b}x{t}"] = {"bytes": growth, "per_token": growth // (b * t)}
         print(json.dumps(out["text_eager"]), json.dumps(out["text_graph"]), flush=True)
+        out["packed_eager"], out["packed_graph"] = packed_costs(lm, h, dt)
+        print(json.dumps(out["packed_eager"]), json.dumps(out["packed_graph"]), flush=True)
 
         towers = lambda p: GraphedTowers(  # noqa: E731
             model, vision_slots=UNBOUNDED, audio_tokens=UNBOUNDED, tower_slots=UNBOUNDED, pool=p

@@ -236,8 +236,25 @@ def _flash(
 
 
 def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing) -> torch.Tensor:
-    # The kernel takes as many kv heads as query heads: share them out (N x nh x hd, a small copy
-    # beside the attention itself).
+    """The kernel takes as many kv heads as query heads. With one kv head (the full layers), a token's
+    query heads are rather folded into its item's query rows: (N, nh, hd) viewed as (N nh, 1, hd),
+    item i's queries nh times as many rows against its own keys. Full attention has no positions in
+    its mask, and each query row's softmax runs over the same keys, so nothing is copied or repeated
+    (_efficient_repeated, the general path, copies k and v nh times: 16 kB a token at head_dim 512).
+    """
+    if k.shape[1] != 1:
+        return _efficient_repeated(q, k, v, packing)
+    n, heads, hd = q.shape
+    cu, longest = packing.cu_seqlens, packing.max_len
+    out = torch.ops.aten._efficient_attention_forward(
+        q.reshape(1, n * heads, 1, hd), k[None], v[None], None, cu * heads, cu,
+        longest * heads, longest, 0.0, 0, False, scale=1.0,
+    )  # fmt: skip
+    return out[0].view(n, heads, hd)
+
+
+def _efficient_repeated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """The varlen kernel on the kv heads shared out to every query head: any group size."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     cu, longest = packing.cu_seqlens, packing.max_len

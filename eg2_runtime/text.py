@@ -43,6 +43,11 @@ from eg2_runtime.packing import Packing
 # the shared graph pool: at 1,024 tokens (48 MiB) the text-only engine's start-up set, captured
 # largest first from a 1,536-token graph, overran its pool (H200, benchmarks/probe_boot.py).
 PLE_UPFRONT_TOKENS = 256
+# The packed forward runs the MLP this many tokens at a time (GatedMLP.in_rows): its gate, up and
+# product take 12 kB a token in BF16, more than attention's q, k, v and output on the full layers,
+# so past this the MLP no longer sets a long batch's peak. At or below it (every start-up graph but
+# the 4,096-token one), one matmul as before.
+MLP_ROWS = 2048
 
 # q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -113,6 +118,16 @@ class TextAttention(nn.Module):
         """(N, H) tokens of packed items, cos/sin (N, hd) -> (N, H); `attend` keeps each item to
         itself (packed_attention.py)."""
         n = x.shape[0]
+        q, k, v = self._packed_qkv(x, cos, sin)
+        out = attend(q, k, v)  # (N, nh, hd)
+        del q, k, v  # freed before o_proj: a long batch's peak is one layer's live set
+        return self.o_proj(out.reshape(n, -1))
+
+    def _packed_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N, H) -> q (N, nh, hd), k and v (N, kv, hd), normed and rotated. A function of its own so
+        that the merged product (N, (nh + 2 kv) hd) is freed on return, before attention runs."""
         if self.fused is None:
             q, k, v = self.project(x)  # (N, nh or kv, hd)
             q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])
@@ -135,7 +150,7 @@ class TextAttention(nn.Module):
                 cos,
                 sin,
             )
-        return self.o_proj(attend(q, k, v).reshape(n, -1))
+        return q, k, v
 
 
 class PLEBlock(nn.Module):
@@ -197,32 +212,40 @@ class TextLayer(nn.Module):
         attend: Attend,
         normed: torch.Tensor | None = None,
         then: RMSNorm | None = None,
+        mlp_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(N, H) stream -> (the new stream, then(new stream) or None). `normed`: input_layernorm(x)
         where the layer before made it; `then`: the norm applied to this layer's output next (the
         next layer's input norm, the encoder's final norm), made here with the last residual add
-        when fused, else left to the caller (None)."""
+        when fused, else left to the caller (None). `mlp_rows`: the MLP in chunks of that many
+        tokens (GatedMLP.in_rows), None at once."""
         h = normed if normed is not None else self.input_layernorm(x)
         attn = self.self_attn.forward_packed(h, cos, sin, attend)
-        return self._after_attention(x, attn, ple, then)
+        return self._after_attention(x, attn, ple, then, mlp_rows)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor, ple: torch.Tensor) -> torch.Tensor:
         """The per-token rest of the layer: residual, MLP block, PLE gate, layer scalar."""
         return self._after_attention(x, attn, ple, None)[0]
 
     def _after_attention(
-        self, x: torch.Tensor, attn: torch.Tensor, ple: torch.Tensor, then: RMSNorm | None
+        self,
+        x: torch.Tensor,
+        attn: torch.Tensor,
+        ple: torch.Tensor,
+        then: RMSNorm | None,
+        mlp_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        mlp = self.mlp if mlp_rows is None else functools.partial(self.mlp.in_rows, rows=mlp_rows)
         if self.fused is None:
             x = x + self.post_attention_layernorm(attn)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x)))
             x = self.ple_block(x, ple)
             return x * self.layer_scalar, None
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         x, h = self.fused(x, attn, post.weight, post.eps, pre.weight, pre.eps)
         assert h is not None
         post = self.post_feedforward_layernorm
-        x = self.fused(x, self.mlp(h), post.weight, post.eps, None, None)[0]
+        x = self.fused(x, mlp(h), post.weight, post.eps, None, None)[0]
         # The PLE add, the layer scalar and the next norm in one kernel.
         post = self.ple_block.post_per_layer_input_norm
         following = (then.weight, then.eps) if then is not None else (None, None)
@@ -343,13 +366,15 @@ class TextEncoder(nn.Module):
         packing: Packing,
         backends: Mapping[str, str] | None = None,
         block_size: int = 128,
+        mlp_rows: int = MLP_ROWS,
     ) -> torch.Tensor:
         """(N, H) merged embeddings of items laid end to end -> (N, D) per-token embeddings; each
         item's rows equal what `forward` gives it in a padded batch. `packing.pool` makes the vectors.
 
         `backends`: the attention kernel per layer kind (packed_attention.py; the device's default
         when None). Block masks are built here from the packing's tensors with no host sync, so a
-        CUDA graph can capture this call whole and replay it after `packing.copy_`.
+        CUDA graph can capture this call whole and replay it after `packing.copy_`. `mlp_rows`: the
+        MLP's chunk (MLP_ROWS).
         """
         cfg = self.cfg
         attention = PackedAttention(packing, cfg, backends, block_size)
@@ -369,7 +394,7 @@ class TextEncoder(nn.Module):
             attend = functools.partial(attention, kind)
             ple = ples[:, i] if ples is not None else self.ple.layer(embeds, i)  # (N, P)
             then = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            x, h = layer.forward_packed(x, ple, *rope[key], attend, normed=h, then=then)
+            x, h = layer.forward_packed(x, ple, *rope[key], attend, normed=h, then=then, mlp_rows=mlp_rows)
         return self.embedding_projection(h if h is not None else self.norm(x))
 
 
