@@ -267,7 +267,14 @@ class TextGraphs(Generic[K]):
         estimate = self.token_bytes * self.tokens(key)
         got = self.pool.capture(step, inputs, estimate, run=self.capture, then=then)
         if got is None:
-            log.info("text graph %s does not fit the graph pool's budget: smaller buckets take it", key)
+            # A warning: batches of this shape now take smaller buckets or run eagerly, for good
+            log.warning(
+                "text graph %s refused: the graph pool holds %.0f of %.0f MiB; smaller buckets (or an "
+                "eager forward) take its batches, a larger gpu_memory_mib would keep it",
+                key,
+                self.pool.used / 2**20,
+                (self.pool.budget or 0) / 2**20,
+            )
             self.refused.add(key)
             return None
         graph, _, out = got

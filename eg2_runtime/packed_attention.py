@@ -43,6 +43,10 @@ BACKENDS = ("dense", "flex", "flash", "efficient")
 CUDA_BACKENDS = {SLIDING: "flash", FULL: "efficient"}
 CPU_BACKENDS = {SLIDING: "dense", FULL: "dense"}
 FLASH_MAX_HEAD_DIM = 256
+# The full layers' kernel takes a long batch's queries this many tokens at a time (_efficient): its
+# FP32 accumulator, 8 kB a token at head_dim 512, was the largest part of an 8,192-token forward's
+# peak (24 kB a token, H200, benchmarks/probe_costs.py). At or below it, one call.
+QUERY_ROWS = 1024
 
 # FlexAttention tile sizes by (dtype, head_dim); inductor's defaults elsewhere. At 512 in BF16 a
 # 64-row query tile is 64 KiB and each 32-row key or value tile 32 KiB, so two pipeline stages fit
@@ -235,20 +239,49 @@ def _flash(
     return out[0]
 
 
-def _efficient(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing) -> torch.Tensor:
+def _efficient(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, rows: int = QUERY_ROWS
+) -> torch.Tensor:
     """The kernel takes as many kv heads as query heads. With one kv head (the full layers), a token's
     query heads are rather folded into its item's query rows: (N, nh, hd) viewed as (N nh, 1, hd),
     item i's queries nh times as many rows against its own keys. Full attention has no positions in
     its mask, and each query row's softmax runs over the same keys, so nothing is copied or repeated
     (_efficient_repeated, the general path, copies k and v nh times: 8 kB a token in BF16 at head_dim 512).
+
+    Past `rows` tokens the queries go `rows` at a time, each call against every key: the kernel's
+    FP32 accumulator (past head_dim 128: 8 kB a token here) then lives for one chunk, not the batch.
+    A chunk's items are the packing's items cut to it (cu_seqlens clamped to the chunk; items outside
+    it get no queries), computed on the device, so a CUDA graph captures the chunks too.
     """
     if k.shape[1] != 1:
         return _efficient_repeated(q, k, v, packing)
-    n, heads, hd = q.shape
+    n, heads = q.shape[:2]
     cu, longest = packing.cu_seqlens, packing.max_len
+    if n <= rows:
+        return _folded(q, k, v, cu * heads, cu, longest * heads, longest)
+    out = torch.empty_like(q)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        cu_q = (cu.clamp(start, stop) - start) * heads
+        longest_q = min(stop - start, longest) * heads
+        out[start:stop] = _folded(q[start:stop], k, v, cu_q, cu, longest_q, longest)
+    return out
+
+
+def _folded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    longest_q: int,
+    longest_k: int,
+) -> torch.Tensor:
+    """q (n, nh, hd) as n nh query rows of one head; k, v (N, 1, hd) -> (n, nh, hd)."""
+    n, heads, hd = q.shape
     out = torch.ops.aten._efficient_attention_forward(
-        q.reshape(1, n * heads, 1, hd), k[None], v[None], None, cu * heads, cu,
-        longest * heads, longest, 0.0, 0, False, scale=1.0,
+        q.reshape(1, n * heads, 1, hd), k[None], v[None], None, cu_q, cu_k,
+        longest_q, longest_k, 0.0, 0, False, scale=1.0,
     )  # fmt: skip
     return out[0].view(n, heads, hd)
 

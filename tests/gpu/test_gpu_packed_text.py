@@ -211,11 +211,13 @@ def test_packed_forward_replays_in_a_cuda_graph(
     assert not bad, f"{name}: the graph changes the result: {figures}"
 
 
+@pytest.mark.parametrize("rows", [300, 1024, 1 << 20], ids=["chunks of 300", "chunks of 1024", "one call"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_folded_query_heads_match_repeated_kv(results: Path | None, dtype: torch.dtype) -> None:
+def test_folded_query_heads_match_repeated_kv(results: Path | None, dtype: torch.dtype, rows: int) -> None:
     """The full layers' varlen kernel with one kv head (packed_attention._efficient): the query heads
-    folded into the item's query rows against k and v shared out to every head (the general path).
-    The same softmax per query row: FP32 within 1e-5, BF16 within 2 of its ulps at |out| ~ 1."""
+    folded into the item's query rows, in chunks of `rows` query tokens (cut across items), against
+    k and v shared out to every head in one call (the general path). The same softmax per query row:
+    FP32 within 1e-5, BF16 within 2 of its ulps at |out| ~ 1."""
     from eg2_runtime.packed_attention import _efficient, _efficient_repeated
 
     lengths = [1, 17, 512, 513, 1025, 3, 300]
@@ -225,8 +227,9 @@ def test_folded_query_heads_match_repeated_kv(results: Path | None, dtype: torch
     q = torch.randn(n, heads, hd, generator=g, device=DEVICE).to(dtype)
     k, v = (torch.randn(n, 1, hd, generator=g, device=DEVICE).to(dtype) for _ in range(2))
     with torch.no_grad():
-        folded, repeated = _efficient(q, k, v, packing), _efficient_repeated(q, k, v, packing)
+        folded, repeated = _efficient(q, k, v, packing, rows), _efficient_repeated(q, k, v, packing)
     diff = float((folded.float() - repeated.float()).abs().max())
-    record(results, f"folded_query_heads_{dtype}".replace("torch.", ""), {"max_abs_diff": diff})
+    name = f"folded_query_heads_{dtype}_{rows}".replace("torch.", "")
+    record(results, name, {"max_abs_diff": diff})
     assert folded.shape == repeated.shape == (n, heads, hd)
     assert diff <= (1e-5 if dtype == torch.float32 else 2 * 2**-8), f"folded vs repeated: {diff:.2e}"
