@@ -44,10 +44,10 @@ from eg2_runtime.packing import Packing
 # largest first from a 1,536-token graph, overran its pool (H200, benchmarks/probe_boot.py).
 PLE_UPFRONT_TOKENS = 256
 # The packed forward runs the MLP this many tokens at a time (GatedMLP.in_rows): its gate, up and
-# product take 12 kB a token in BF16, more than attention's q, k, v and output on the full layers,
-# so past this the MLP no longer sets a long batch's peak. At or below it (every start-up graph but
-# the 4,096-token one), one matmul as before.
-MLP_ROWS = 2048
+# product take 12 kB a token in BF16. An 8,192-token forward peaked at 18.4 kB a token in chunks of
+# 2,048 against 22.5 whole (H200, benchmarks/probe_costs.py), but the cut slowed the 2,200-token
+# document (docs/PERF.md): at or below this (every start-up graph), one matmul as before.
+MLP_ROWS = 4096
 
 # q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
