@@ -121,6 +121,18 @@ class GraphPool:
         self.used += added
         self.largest = max(self.largest, estimate)
 
+    def warn_refused(self, graph: str) -> None:
+        """Log a refused capture as a warning: batches of its shape take smaller buckets or run
+        eagerly from now on, which an operator sees as slower calls."""
+        budget = "no bound" if self.budget is None else f"{self.budget / 2**20:.0f} MiB"
+        log.warning(
+            "%s refused: the graph pool holds %.0f MiB of %s; smaller buckets (or an eager forward) "
+            "take its batches, a larger gpu_memory_mib would keep it",
+            graph,
+            self.used / 2**20,
+            budget,
+        )
+
     def _now(self) -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -267,14 +279,7 @@ class TextGraphs(Generic[K]):
         estimate = self.token_bytes * self.tokens(key)
         got = self.pool.capture(step, inputs, estimate, run=self.capture, then=then)
         if got is None:
-            # A warning: batches of this shape now take smaller buckets or run eagerly, for good
-            log.warning(
-                "text graph %s refused: the graph pool holds %.0f of %.0f MiB; smaller buckets (or an "
-                "eager forward) take its batches, a larger gpu_memory_mib would keep it",
-                key,
-                self.pool.used / 2**20,
-                (self.pool.budget or 0) / 2**20,
-            )
+            self.pool.warn_refused(f"text graph {key}")
             self.refused.add(key)
             return None
         graph, _, out = got

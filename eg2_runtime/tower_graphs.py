@@ -251,14 +251,7 @@ class GraphedTowers:
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
         got = self.pool.capture(step, buffers, estimate, around, run=self.capture)
         if got is None:
-            # A warning: batches of this shape now take smaller buckets or run eagerly, for good
-            log.warning(
-                "tower graph %s refused: the graph pool holds %.0f of %.0f MiB; smaller buckets (or an "
-                "eager forward) take its batches, a larger gpu_memory_mib would keep it",
-                key,
-                self.pool.used / 2**20,
-                (self.pool.budget or 0) / 2**20,
-            )
+            self.pool.warn_refused(f"tower graph {key}")
             self.refused.add(key)
             return None
         graph, inputs, outputs = got
