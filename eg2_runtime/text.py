@@ -44,8 +44,8 @@ from eg2_runtime.packing import Packing
 # largest first from a 1,536-token graph, overran its pool (H200, benchmarks/probe_boot.py).
 PLE_UPFRONT_TOKENS = 256
 # The packed forward runs the MLP this many tokens at a time (GatedMLP.in_rows): its gate, up and
-# product take 12 kB a token in BF16. An 8,192-token forward peaked at 18.4 kB a token in chunks of
-# 2,048 against 22.5 whole (H200, benchmarks/probe_costs.py), but the cut slowed the 2,200-token
+# product take 12 kB a token in BF16. An 8,192-token forward peaked at 18.0 kB a token in chunks of
+# 2,048 against 22.0 whole (H200, benchmarks/probe_costs.py), but the cut slowed the 2,200-token
 # document (docs/PERF.md): at or below this (every start-up graph), one matmul as before.
 MLP_ROWS = 4096
 
