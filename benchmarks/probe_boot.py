@@ -4,8 +4,10 @@
                                     [--budget-mib N] [--host-token-table] [--padded-text]
                                     [--profile SHAPE,...]
 
-Generates (or reuses) the full-size random checkpoints of `eg2 bench`. After warm-up and the start-up
-captures it writes the plan, the graph pool's measured use, the captured and refused
+Generates (or reuses) the full-size random checkpoints of `eg2 bench`. A thread samples the process's
+GPU memory (NVML) throughout, so the boot's peak is split by phase: load (weights, the plan, the
+table's placement), warm-up, start-up captures. After warm-up and the start-up captures it writes the
+plan, the graph pool's measured use, the captured and refused
 buckets; then, per request shape, the median embed time, the allocator's peak above what was held
 before, the process's GPU memory (NVML) and the buckets that shape added or had refused.
 Writes boot-<tag>.json into DIR.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ import torch
 
 from app.service import GPU_BATCH_TOKENS
 from benchmarks import workloads
+from benchmarks.process_memory import PeakSampler
 from benchmarks.workloads import DEFAULT_CACHE, Factory, Input, checkpoints
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
@@ -121,6 +125,8 @@ def main() -> None:
     tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}{padded}"
     with checkpoints(None, DEFAULT_CACHE, "full", print) as (bf16, w4):
         model_dir = w4 if args.checkpoint == "w4" else bf16
+        sampler = PeakSampler().start(os.getpid())  # before CUDA starts: see PeakSampler
+        phases = {"load": time.time()}
         options = EngineOptions(
             gpu_memory_budget=args.budget_mib * MIB if args.budget_mib else None,
             host_token_table=True if args.host_token_table else None,
@@ -131,14 +137,24 @@ def main() -> None:
     out: dict[str, Any] = {"tag": tag, "plan": engine.plan.describe() if engine.plan else None}
     nvml = lambda: engine.memory().get("process_gpu_bytes", 0) / MIB  # noqa: E731
     out["load_mib"] = nvml()
+    phases["warm_up"] = time.time()
     try:
         out["limits"] = engine.warm_up(64, GPU_BATCH_TOKENS)
     except EngineOutOfMemory as e:
         out["warm_up_error"] = str(e)
     out["warmup_mib"] = nvml()
+    phases["capture"] = time.time()
     t0 = time.perf_counter()
     out["graphs_at_start"] = engine.capture_graphs()
     out["capture_s"] = time.perf_counter() - t0
+    sampler.read()
+    sampler.stop()
+    starts = list(phases.values())
+    spans = {
+        name: (start, end)
+        for name, start, end in zip(phases, starts, [*starts[1:], time.time()], strict=True)
+    }
+    out["phase_peak_mib"] = {k: (v or 0) / MIB for k, v in sampler.phase_peaks(spans).items()}
     text = engine.packed or engine.graphs
     pool = text.pool if text is not None else None
     out["pool"] = {

@@ -184,7 +184,7 @@ class Engine:
         self.towers: GraphedTowers | None = None
         if self.device.type != "cuda":
             if options.host_token_table:
-                self._table_to_host()
+                self._place_table(True)
             return
         if options.fused_norms:
             _fuse_norms(model)
@@ -192,8 +192,8 @@ class Engine:
             torch.cuda.synchronize(self.device)
             set_cuda_stack_limit(options.cuda_stack_bytes)
         self.plan = self._plan()
-        if options.host_token_table or (options.host_token_table is None and self.plan.host_token_table):
-            self._table_to_host()
+        host = options.host_token_table
+        self._place_table(self.plan.host_token_table if host is None else host)
         torch.cuda.empty_cache()
         # The allocator's hard cap: a batch that does not fit fails (the batcher splits it) instead of
         # taking memory past the budget. Graph pools count too.
@@ -236,12 +236,13 @@ class Engine:
             base = DEFAULT_BASE
         else:
             base = reading.bytes - torch.cuda.memory_reserved(self.device) + BASE_MARGIN
-        table = self.model.language_model.embed_tokens.weight
+        # The table may still be in host memory, where the loader leaves it for the plan to place.
+        table = self.model.language_model.embed_tokens.weight.nbytes
         unpacker = self.model.unpacker
         footprint = Footprint(
             base=base,
-            weights=self.report.resident_bytes,
-            table=table.nbytes if table.device == self.device else 0,
+            weights=self.report.resident_bytes + self.report.host_bytes,
+            table=table,
             fixed=(unpacker.scratch_bytes if unpacker is not None else 0) + STATIC_BUFFERS,
             costs=ActivationCosts.from_config(cfg, self.model.dtype.itemsize),
             modalities=self.modalities,
@@ -294,9 +295,12 @@ class Engine:
         total = torch.cuda.get_device_properties(self.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, (self.plan.budget - base) / total), self.device)
 
-    def _table_to_host(self) -> None:
-        self.report.host_bytes = self.model.language_model.keep_table_on_host()
-        self.report.resident_bytes -= self.report.host_bytes
+    def _place_table(self, host: bool) -> None:
+        """The token table in pinned host memory or on the device, the load report to match."""
+        text = self.model.language_model
+        moved = text.keep_table_on_host() if host else -text.keep_table_on_device()
+        self.report.host_bytes += moved
+        self.report.resident_bytes -= moved
 
     @classmethod
     def from_dir(
@@ -320,8 +324,18 @@ class Engine:
         gpu_memory = ProcessGpuMemory()  # before the weights: see ProcessGpuMemory
         wanted = frozenset(modalities) if modalities is not None else None
         ahead = (options or EngineOptions()).unpack_ahead
+        # The table waits in host memory for the memory plan to place it (Engine.__init__) unless
+        # the operator asked for it on the device.
+        host_table = (options or EngineOptions()).host_token_table is not False
         model, report = load_model(
-            model_dir, device, wanted, dtype=dtype, pack=pack, group_size=group_size, unpack_ahead=ahead
+            model_dir,
+            device,
+            wanted,
+            dtype=dtype,
+            pack=pack,
+            group_size=group_size,
+            unpack_ahead=ahead,
+            table_on_host=host_table,
         )
         media = sorted(model.modalities - {"text"})
         pre = Preprocessor.from_dir(model_dir, model.config, limits=limits, modalities=media)  # type: ignore[arg-type]

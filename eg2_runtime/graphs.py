@@ -67,14 +67,17 @@ class GraphPool:
 
     A capture adds its activations to the pool except where blocks freed by earlier captures fit
     them, and its graph's executable (kernel parameters: device memory outside the allocator). Graphs
-    never run at once, so a capture no larger than the largest one the pool already holds reuses
-    that one's blocks: it adds little more than its executable (H200, 2026-12-01,
-    benchmarks/probe_boot.py: captures after the start-up set added 1-5 MiB each). A larger capture
-    counts its whole estimate: counting the idle blocks it might reuse as room admitted captures they
-    did not hold, and the pool overran its budget (H200, 2026-12-01: 374 MiB of graph pools against a
-    344 MiB share after a 4-image capture; the 1,120-token image then ran out of memory). The start-up
-    set is captured largest first (Engine.capture_graphs), so its first graph sets the blocks the
-    others reuse.
+    never run at once, so a capture no larger than the largest one of its kind (text, image, audio)
+    the pool already holds reuses that one's blocks: it adds little more than its executable (H200,
+    2026-12-01, benchmarks/probe_boot.py: captures after the start-up set added 1-5 MiB each). A
+    larger capture, or the first of its kind, counts its whole estimate: counting idle blocks it
+    might reuse as room admitted captures they did not hold, and the pool overran its budget. Blocks
+    of another kind are shaped for other tensors (H200, 2026-12-01: 374 MiB of graph pools against a
+    344 MiB share after a 4-image capture, and the 1,120-token image then ran out of memory; H200,
+    2026-12-03: the 16-clip call's audio capture, estimated at 104 MiB and admitted for its
+    executable beside a 162 MiB text graph, added 138 MiB, and the video frames' buckets were then
+    refused). The start-up set is captured largest first (Engine.capture_graphs), so its first graph
+    sets the blocks the others of its kind reuse.
 
     What each capture really added is measured, as the process's GPU memory where NVML can read it
     (else the allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is
@@ -96,30 +99,31 @@ class GraphPool:
         self.budget = budget
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # bytes the captures added: measured, or as `need` models them
-        self.largest = 0  # the largest estimate among the captures the pool holds
+        self.largest: dict[str, int] = {}  # per kind, the largest estimate among its captures
 
-    def need(self, estimate: int) -> int:
-        """What a capture estimated at `estimate` activation bytes may add to the pool: its executable,
-        and its activations in full unless a capture at least as large already holds their blocks."""
-        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest else estimate)
+    def need(self, estimate: int, kind: str = "text") -> int:
+        """What a capture of `kind` estimated at `estimate` activation bytes may add to the pool: its
+        executable, and its activations in full unless a capture of its kind at least as large
+        already holds their blocks."""
+        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest.get(kind, 0) else estimate)
 
-    def admits(self, estimate: int, then: int = 0) -> bool:
+    def admits(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Whether such a capture fits the budget beside what the captures so far added, leaving
         room for the executables of `then` smaller captures to follow (a start-up set)."""
-        need = self.need(estimate) + then * GRAPH_EXECUTABLE
+        need = self.need(estimate, kind) + then * GRAPH_EXECUTABLE
         return self.budget is None or self.used + need <= self.budget
 
-    def reserve(self, estimate: int, then: int = 0) -> bool:
+    def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
         `need` joins `used` as if measured. False: refused."""
-        if not self.admits(estimate, then):
+        if not self.admits(estimate, then, kind):
             return False
-        self._took(estimate, self.need(estimate))
+        self._took(estimate, self.need(estimate, kind), kind)
         return True
 
-    def _took(self, estimate: int, added: int) -> None:
+    def _took(self, estimate: int, added: int, kind: str) -> None:
         self.used += added
-        self.largest = max(self.largest, estimate)
+        self.largest[kind] = max(self.largest.get(kind, 0), estimate)
 
     def warn_refused(self, graph: str) -> None:
         """Log a refused capture as a warning: batches of its shape take smaller buckets or run
@@ -147,6 +151,7 @@ class GraphPool:
         around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         run: bool = True,
         then: int = 0,
+        kind: str = "text",
     ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
         """`capture_graph` of `step` over the static buffers `inputs()` makes, into this pool, what it
         adds measured into `used`: (the graph, its buffers, its static output), or None when the
@@ -158,10 +163,10 @@ class GraphPool:
 
         `run` False captures nothing (the CPU, where the padded step runs eagerly in the graph's
         stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
-        None) comes back. `then`: see `admits`."""
+        None) comes back. `then` and `kind`: see `admits` and `need`."""
         if not run:
-            return (None, inputs(), None) if self.reserve(estimate, then) else None
-        if not self.admits(estimate, then):
+            return (None, inputs(), None) if self.reserve(estimate, then, kind) else None
+        if not self.admits(estimate, then, kind):
             return None
         before = self._now()
         try:
@@ -175,7 +180,7 @@ class GraphPool:
             del graph, buffers, out  # no room left for the rest of the set: drop it again
             self.used += max(0, self._now() - before)
             return None
-        self._took(estimate, added)
+        self._took(estimate, added, kind)
         return graph, buffers, out
 
 

@@ -114,6 +114,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+TOKEN_TABLE = "language_model.embed_tokens.weight"
+
+
 def load_model(
     model_dir: str | Path,
     device: str | torch.device = "auto",
@@ -123,6 +126,7 @@ def load_model(
     group_size: int = 128,
     unpack_hooks: bool = True,
     unpack_ahead: int = 1,
+    table_on_host: bool = False,
 ) -> tuple[EG2Model, LoadReport]:
     """Build, load and prepare a model for inference. Returns it in eval mode with its report.
 
@@ -130,6 +134,10 @@ def load_model(
     `pack`: quantize a BF16 checkpoint's tower Linears at load time (already-packed layers stay).
     `unpack_hooks`: attach the side-stream Unpacker; without it packed layers dequantize on the fly.
     `unpack_ahead`: the layers it unpacks ahead of the running one (quant.Unpacker).
+    `table_on_host`: on CUDA, the token table loads into host memory and stays there until the
+    caller places it (TextEncoder.keep_table_on_host, keep_table_on_device). The engine places it
+    only once it has measured the base; loaded to the GPU first, the table's 256 MiB would join the
+    boot peak of a server that then keeps it in host memory.
     """
     model_dir = Path(model_dir)
     dev = resolve_device(device)
@@ -195,6 +203,9 @@ def load_model(
                 or not t.is_floating_point()
             )
             if name not in group_of:
+                if table_on_host and name == TOKEN_TABLE and dev.type == "cuda":
+                    state[name] = t.to(dtype=cdtype)  # pageable: pinned only if it stays (text.py)
+                    continue
                 state[name] = t.to(dev, dtype=None if keep else cdtype)
                 continue
             key = group_of[name]
@@ -225,6 +236,9 @@ def load_model(
         if isinstance(module, ClippableLinear):
             module.freeze_bounds()
     report = build_report(model)
+    table = model.language_model.embed_tokens.weight
+    if table.device.type != dev.type:
+        report.host_bytes, report.resident_bytes = table.nbytes, report.resident_bytes - table.nbytes
     if unpack_hooks:
         model.unpacker = Unpacker.attach(model, cdtype, unpack_ahead)
     log.info("loaded %s: %s", model_dir.name, report.summary())

@@ -320,16 +320,27 @@ class TextEncoder(nn.Module):
         return self._scales[key]
 
     def keep_table_on_host(self) -> int:
-        """Move the (V, H) token table to pinned host memory; returns the device bytes freed.
+        """Keep the (V, H) token table in pinned host memory (pinned only where the model computes
+        on CUDA, which copies from it); returns the device bytes freed.
 
         262144 x 512 bf16 is 256 MiB, a third of a hybrid-w4 checkpoint's resident weights. The cost
         is a host gather and one (B, T, H) copy per batch instead of a device gather.
         """
         table = self.embed_tokens.weight
-        if table.device.type != "cuda":
-            return 0  # already in host memory
-        self.embed_tokens.weight = nn.Parameter(table.cpu().pin_memory(), requires_grad=False)
-        self.table_pinned = True
+        freed = table.nbytes if table.device.type == "cuda" else 0
+        if self.embedding_projection.weight.device.type == "cuda" and not self.table_pinned:
+            self.embed_tokens.weight = nn.Parameter(table.cpu().pin_memory(), requires_grad=False)
+            self.table_pinned = True
+        return freed
+
+    def keep_table_on_device(self) -> int:
+        """Move the token table to the compute device (the other projections' device); returns the
+        device bytes it now takes (0 if it was there)."""
+        table, device = self.embed_tokens.weight, self.embedding_projection.weight.device
+        if table.device == device:
+            return 0
+        self.embed_tokens.weight = nn.Parameter(table.to(device), requires_grad=False)
+        self.table_pinned = False
         return table.nbytes
 
     def forward(

@@ -249,7 +249,7 @@ class GraphedTowers:
         )
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-        got = self.pool.capture(step, buffers, estimate, around, run=self.capture)
+        got = self.pool.capture(step, buffers, estimate, around, run=self.capture, kind=kind)
         if got is None:
             self.pool.warn_refused(f"tower graph {key}")
             self.refused.add(key)

@@ -99,11 +99,27 @@ def test_a_capture_no_larger_than_the_pools_largest_adds_only_its_executable() -
     graphs = GraphPool(big + 3 * GRAPH_EXECUTABLE)
     assert graphs.reserve(big)
     assert graphs.reserve(small), "fits the first capture's blocks: only its executable is new"
-    assert graphs.used == big + 2 * GRAPH_EXECUTABLE and graphs.largest == big
+    assert graphs.used == big + 2 * GRAPH_EXECUTABLE and graphs.largest == {"text": big}
     assert not graphs.reserve(big + 1), "larger than any held: counted in full, past the budget"
     assert graphs.reserve(big)
     assert not graphs.reserve(1), "no room left for a fourth executable"
     assert graphs.used == big + 3 * GRAPH_EXECUTABLE
+
+
+def test_a_capture_of_another_kind_counts_its_whole_estimate() -> None:
+    """The blocks a text graph left are shaped for text's tensors: a tower capture smaller than it
+    counts its activations in full until a capture of its own kind holds blocks as large (H200,
+    2026-12-03: an audio capture admitted for its executable beside a larger text graph added 138
+    MiB and pushed the pool past its budget)."""
+    big, small = 100 << 20, 60 << 20
+    graphs = GraphPool(big + small + 2 * GRAPH_EXECUTABLE - 1)
+    assert graphs.reserve(big, kind="text")
+    assert graphs.admits(small, kind="text"), "text's own blocks hold it"
+    assert not graphs.reserve(small, kind="audio"), "its whole estimate is past the budget"
+    assert graphs.reserve(small // 2, kind="audio")
+    assert graphs.reserve(small // 2, kind="audio"), "now audio's own blocks hold it"
+    assert graphs.used == big + small // 2 + 3 * GRAPH_EXECUTABLE
+    assert graphs.largest == {"text": big, "audio": small // 2}
 
 
 def test_a_start_up_bucket_leaves_room_for_the_executables_of_the_smaller_ones(tiny_fp32: Path) -> None:
@@ -135,9 +151,9 @@ def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
     monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
     step, inputs = (lambda: None), (lambda: [])
     assert pool.capture(step, inputs, 170 * mib, then=2) is None, "300 MiB measured, 234 MiB of budget"
-    assert pool.used == 10 * mib and pool.largest == 0  # what the dropped capture left (a workspace)
+    assert pool.used == 10 * mib and not pool.largest  # what the dropped capture left (a workspace)
     got = pool.capture(step, inputs, 130 * mib, then=2)
-    assert got is not None and pool.used == 150 * mib and pool.largest == 130 * mib
+    assert got is not None and pool.used == 150 * mib and pool.largest == {"text": 130 * mib}
     got = pool.capture(step, inputs, 0)  # on first use: 110 MiB measured is kept, past the budget
     assert got is not None and pool.used == 260 * mib
 
