@@ -42,6 +42,10 @@ from eg2_runtime.text import TextEncoder
 log = logging.getLogger(__name__)
 
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)
+# How far past its budget the pool admits captures that add only their executable (GraphPool): eight
+# of them, taken from the eager share's fragmentation margin (memory_plan.EAGER_MARGIN: ~130 MiB of
+# the 2,000 MiB default's 454 MiB eager share).
+OVERDRAFT = 8 * GRAPH_EXECUTABLE
 # What one replay costs beyond its own tokens, counted in padded tokens: a short bucket's replay is
 # bound by its launches (H200, 2026-12-01, benchmarks/probe_boot.py: one query 4.1 ms, 32 texts padded
 # to 4,096 tokens 10.5 ms: ~1.6 us a token, ~4 ms a replay), so a longer rung's one replay beats many
@@ -92,6 +96,12 @@ class GraphPool:
     was refused: one-token queries replayed 4,096 tokens). A capture on first use is kept as
     measured: the traffic asked for it, and the eager share's margin absorbs an overshoot (the
     process peaks stayed under the 2,000 MiB budget with every capture kept).
+
+    Past the budget, a capture that adds only its executable is still admitted within OVERDRAFT:
+    measured captures overshoot their estimates, and one overshoot must not refuse every bucket after
+    it, the small ones included (H200, 2026-12-03, text graphs capped at 2,560 tokens: the pool
+    stood at 420 of 414 MiB after a 4-clip capture, and the 8-frame video's buckets, which the
+    image graphs' blocks held, were refused: 97 against 44 ms).
     """
 
     def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
@@ -109,9 +119,13 @@ class GraphPool:
 
     def admits(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Whether such a capture fits the budget beside what the captures so far added, leaving
-        room for the executables of `then` smaller captures to follow (a start-up set)."""
-        need = self.need(estimate, kind) + then * GRAPH_EXECUTABLE
-        return self.budget is None or self.used + need <= self.budget
+        room for the executables of `then` smaller captures to follow (a start-up set); one that
+        adds only its executable may draw on the OVERDRAFT past the budget."""
+        need = self.need(estimate, kind)
+        if self.budget is None:
+            return True
+        room = OVERDRAFT if need == GRAPH_EXECUTABLE and not then else 0
+        return self.used + need + then * GRAPH_EXECUTABLE <= self.budget + room
 
     def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):

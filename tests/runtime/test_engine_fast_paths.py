@@ -20,7 +20,7 @@ import torch
 from eg2_runtime import samples
 from eg2_runtime.engine import STARTUP_TEXT_BUCKETS, Engine, EngineOptions
 from eg2_runtime.errors import EG2Error
-from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, GraphedTextEncoder, GraphPool
+from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, OVERDRAFT, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_GRAPHS
@@ -102,8 +102,23 @@ def test_a_capture_no_larger_than_the_pools_largest_adds_only_its_executable() -
     assert graphs.used == big + 2 * GRAPH_EXECUTABLE and graphs.largest == {"text": big}
     assert not graphs.reserve(big + 1), "larger than any held: counted in full, past the budget"
     assert graphs.reserve(big)
-    assert not graphs.reserve(1), "no room left for a fourth executable"
     assert graphs.used == big + 3 * GRAPH_EXECUTABLE
+
+
+def test_past_its_budget_the_pool_admits_executables_within_the_overdraft() -> None:
+    """A full pool (or one a measured capture pushed past its budget) still admits captures that add
+    only their executable, OVERDRAFT's worth, and nothing that adds activations; a start-up capture
+    (`then`) gets no overdraft."""
+    big = 100 << 20
+    graphs = GraphPool(big + GRAPH_EXECUTABLE)
+    assert graphs.reserve(big)
+    assert not graphs.reserve(big + 1), "adds activations: refused at the budget"
+    assert not graphs.admits(1, then=1), "a start-up capture draws on no overdraft"
+    n = 0
+    while graphs.reserve(1):
+        n += 1
+    assert n == OVERDRAFT // GRAPH_EXECUTABLE
+    assert graphs.used == big + GRAPH_EXECUTABLE + OVERDRAFT
 
 
 def test_a_capture_of_another_kind_counts_its_whole_estimate() -> None:
@@ -220,7 +235,8 @@ def test_a_full_pool_takes_a_longer_captured_bucket_over_many_one_row_replays(ti
     budget = GraphPool(1 << 30)
     encoder = GraphedTextEncoder(model.language_model, 4096, pool=budget, token_bytes=1000, capture=False)
     encoder.capture_buckets([(64, 64), (1, 32)])
-    budget.used = budget.budget - GRAPH_EXECUTABLE + 1  # no room for another graph's executable
+    # No room for another graph's executable, the overdraft spent too.
+    budget.used = budget.budget + OVERDRAFT - GRAPH_EXECUTABLE + 1
     steps: list[tuple[int, int]] = []
     step = encoder._step
     encoder._step = lambda x, v: steps.append(tuple(x.shape[:2])) or step(x, v)  # type: ignore[method-assign]
