@@ -16,6 +16,7 @@ and the token table's place follow from it. Vectors come back as unit-norm float
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -236,13 +237,15 @@ class Engine:
             base = DEFAULT_BASE
         else:
             base = reading.bytes - torch.cuda.memory_reserved(self.device) + BASE_MARGIN
-        # The table may still be in host memory, where the loader leaves it for the plan to place.
+        # The table may still be in host memory, where the loader leaves it for the plan to place;
+        # where the operator placed it (host_token_table), the plan sizes around that place.
         table = self.model.language_model.embed_tokens.weight.nbytes
+        forced = self.options.host_token_table
         unpacker = self.model.unpacker
         footprint = Footprint(
             base=base,
-            weights=self.report.resident_bytes + self.report.host_bytes,
-            table=table,
+            weights=self.report.resident_bytes + self.report.host_bytes - (table if forced else 0),
+            table=table if forced is None else 0,
             fixed=(unpacker.scratch_bytes if unpacker is not None else 0) + STATIC_BUFFERS,
             costs=ActivationCosts.from_config(cfg, self.model.dtype.itemsize),
             modalities=self.modalities,
@@ -250,7 +253,8 @@ class Engine:
             max_batch_tokens=self.options.max_forward_tokens,
         )
         budget = self.options.gpu_memory_budget
-        return plan(budget if budget is not None else default_budget(footprint), footprint)
+        planned = plan(budget if budget is not None else default_budget(footprint), footprint)
+        return dataclasses.replace(planned, host_token_table=True) if forced else planned
 
     @torch.inference_mode()
     def _load_kernels(self) -> None:
@@ -522,15 +526,17 @@ class Engine:
             return 0
         t0 = time.perf_counter()
         startup: Sequence[Any] = STARTUP_TOKEN_BUCKETS if self.packed is not None else STARTUP_TEXT_BUCKETS
-        # The largest first (see GraphPool): the text buckets of 2,048 tokens and more, the towers',
-        # then the smaller text buckets, which reuse the blocks of the first. Each leaves room for
-        # the executables of those after it: a query's small bucket must not lose to the largest.
-        small = [k for k in startup if text.tokens(k) < 2048]
-        text.capture_buckets((k for k in startup if text.tokens(k) >= 2048), then=len(small) + 2)
+        # Each capture reuses blocks of its own kind only (see GraphPool), so the towers' one-item
+        # graphs count in full: they go first, leaving room for the text set's executables. Then the
+        # text buckets largest first, the smaller ones reusing the blocks of the first; each leaves
+        # room for the executables of those after it: a query's small bucket must not lose to the
+        # largest. A bucket passed over for that room is tried again on first use.
         towers = self.towers
         if towers is not None:
             towers.capture_startup(
-                IMAGE_TOKEN_BUDGETS[2] if "image" in self.modalities else None, "audio" in self.modalities
+                IMAGE_TOKEN_BUDGETS[2] if "image" in self.modalities else None,
+                "audio" in self.modalities,
+                then=len(startup),
             )
         text.capture_buckets(startup)
         self._cap_allocator()

@@ -89,8 +89,9 @@ class GraphPool:
     and batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
 
     A start-up capture (one with `then` smaller ones to follow) that leaves too little room for
-    their executables is dropped again (what it left behind stays counted) and its bucket refused,
-    so the next smaller one is tried: the estimates are models, and the start-up set must keep the
+    their executables is dropped again (what it left behind stays counted) and its bucket refused
+    for the start-up set only (first use tries it again, with nothing to follow), so the next
+    smaller one is tried: the estimates are models, and the start-up set must keep the
     small buckets short requests take (H200, 2026-12-02: the text-only engine's first bucket, 4,096
     tokens estimated at 170 MiB, added 298 to a 234 MiB pool and was kept, and every later bucket
     was refused: one-token queries replayed 4,096 tokens). A capture on first use is kept as
@@ -111,21 +112,24 @@ class GraphPool:
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest: dict[str, int] = {}  # per kind, the largest estimate among its captures
 
+    def reuses(self, estimate: int, kind: str = "text") -> bool:
+        """Whether a capture of its kind at least as large already holds the blocks such a capture's
+        activations need."""
+        return kind in self.largest and estimate <= self.largest[kind]
+
     def need(self, estimate: int, kind: str = "text") -> int:
         """What a capture of `kind` estimated at `estimate` activation bytes may add to the pool: its
-        executable, and its activations in full unless a capture of its kind at least as large
-        already holds their blocks."""
-        return GRAPH_EXECUTABLE + (0 if estimate <= self.largest.get(kind, 0) else estimate)
+        executable, and its activations unless it `reuses` another's blocks."""
+        return GRAPH_EXECUTABLE + (0 if self.reuses(estimate, kind) else estimate)
 
     def admits(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Whether such a capture fits the budget beside what the captures so far added, leaving
         room for the executables of `then` smaller captures to follow (a start-up set); one that
         adds only its executable may draw on the OVERDRAFT past the budget."""
-        need = self.need(estimate, kind)
         if self.budget is None:
             return True
-        room = OVERDRAFT if need == GRAPH_EXECUTABLE and not then else 0
-        return self.used + need + then * GRAPH_EXECUTABLE <= self.budget + room
+        room = OVERDRAFT if self.reuses(estimate, kind) and not then else 0
+        return self.used + self.need(estimate, kind) + then * GRAPH_EXECUTABLE <= self.budget + room
 
     def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
@@ -194,7 +198,9 @@ class GraphPool:
             del graph, buffers, out  # no room left for the rest of the set: drop it again
             self.used += max(0, self._now() - before)
             return None
-        self._took(estimate, added, kind)
+        # An executable at least: NVML may round a capture's growth down, and without NVML the
+        # allocator's counters do not see executables at all (which would leave OVERDRAFT unbounded).
+        self._took(estimate, max(added, GRAPH_EXECUTABLE), kind)
         return graph, buffers, out
 
 
@@ -264,6 +270,8 @@ class TextGraphs(Generic[K]):
         self.graphs: dict[K, Captured] = {}
         # Buckets the pool's budget refused: batches take smaller ones, in more replays.
         self.refused: set[K] = set()
+        # Buckets the start-up set passed over to keep room for its smaller ones: tried on first use.
+        self.deferred: set[K] = set()
         self.capture_seconds = 0.0
 
     def tokens(self, key: K) -> int:
@@ -284,20 +292,24 @@ class TextGraphs(Generic[K]):
         after it and `then` more. Returns how many graphs there are."""
         todo = [k for k in sorted(keys, key=lambda k: -self.tokens(k)) if self.admissible(k)]
         for i, key in enumerate(todo):
-            if key not in self.graphs and key not in self.refused:
+            if key not in self.graphs and key not in self.refused and key not in self.deferred:
                 self._capture(key, then=len(todo) - 1 - i + then)
         return len(self.graphs)
 
     def _take(
         self, key: K, step: Callable[..., Any], inputs: Callable[[], Sequence[torch.Tensor]], then: int = 0
     ) -> Captured | None:
-        """Bucket `key`'s graph of `step` over the buffers `inputs()` makes, captured now; None (and
-        the bucket refused for good) when the pool's budget does not hold its tokens (and the
-        executables of `then` captures to follow)."""
+        """Bucket `key`'s graph of `step` over the buffers `inputs()` makes, captured now; None when
+        the pool's budget does not hold its tokens: the bucket is refused for good, or with `then`
+        (the executables of captures to follow) deferred to its first use."""
         t0 = time.perf_counter()
         estimate = self.token_bytes * self.tokens(key)
         got = self.pool.capture(step, inputs, estimate, run=self.capture, then=then)
         if got is None:
+            if then:  # refused to keep room for the start-up set: first use tries it again
+                log.info("text graph %s left to first use: the start-up set needs the room", key)
+                self.deferred.add(key)
+                return None
             self.pool.warn_refused(f"text graph {key}")
             self.refused.add(key)
             return None

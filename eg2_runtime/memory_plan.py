@@ -12,13 +12,13 @@ which the batcher answers by splitting it.
 
 How the working memory is shared: the eager share is the peak of the largest item no graph takes
 (an 8,192-token text, a 1,120-token image), which a budget must hold to serve every valid request;
-the rest is the graph pool. A graph pool keeps the activations of its largest graph for good, and
-graphs never run at once, so smaller graphs reuse its blocks: the pool admits a capture no larger
-than its largest by its executable, a larger one by its whole estimate, beside what the captures so
-far measurably took (graphs.GraphPool). Graphs take
-any batch whose rows fit a bucket, in chunks, refused buckets handing their rows to smaller ones
-(graphs.py, tower_graphs.py): more pool means larger buckets and fewer replays per batch, not a
-different result.
+the rest is the graph pool. A graph pool keeps the activations of its largest graphs for good, and
+graphs never run at once, so smaller graphs of the same kind (text, image, audio) reuse their
+blocks: the pool admits a capture no larger than its kind's largest by its executable, a larger one
+or the first of its kind by its whole estimate, beside what the captures so far measurably took
+(graphs.GraphPool). Graphs take any batch whose rows fit a bucket, in chunks, refused buckets
+handing their rows to smaller ones (graphs.py, tower_graphs.py): more pool means larger buckets and
+fewer replays per batch, not a different result.
 
 Activation costs are per token of the batch (text, with padding) or per patch slot (vision tower),
 from the config dimensions (ActivationCosts.from_config), set at or above the allocator's peaks on
@@ -45,6 +45,9 @@ MIN_GRAPH_TEXT_TOKENS = 64 * 64
 # ~360 MiB under the cap against a 264 MB peak measured alone).
 EAGER_MARGIN = 1.4
 MIN_GRAPH_VISION_SLOTS = 280 * 9
+# The audio tower's start-up graph: one clip of up to ~10 s (tower_graphs.FRAME_LADDER[3] log-mel
+# frames, 4 a soft token; a test holds them equal).
+STARTUP_AUDIO_TOKENS = 1024 // 4
 # What a captured graph holds outside its activations (the instantiated graph's kernel nodes): ~4 MiB
 # on the H200 (2026-12-01, benchmarks/probe_boot.py: the text-only server's one start-up graph added
 # 180 MiB, the full start-up set of 18 graphs 246 MiB: 66 MiB for 17 graphs whose activations the
@@ -217,9 +220,11 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
 
 
 def _minimum_pool(costs: ActivationCosts, modalities: frozenset[str]) -> int:
-    """The largest start-up bucket's activations and the start-up set's executables."""
+    """The start-up set: the largest start-up bucket's activations of each kind (a graph reuses the
+    blocks of its own kind only: graphs.GraphPool) and every start-up graph's executable."""
     vision = MIN_GRAPH_VISION_SLOTS * costs.vision_slot if modalities & {"image", "video"} else 0
-    return max(MIN_GRAPH_TEXT_TOKENS * costs.text_token, vision) + STARTUP_GRAPHS * GRAPH_EXECUTABLE
+    audio = STARTUP_AUDIO_TOKENS * costs.batch_token("audio") if "audio" in modalities else 0
+    return MIN_GRAPH_TEXT_TOKENS * costs.text_token + vision + audio + STARTUP_GRAPHS * GRAPH_EXECUTABLE
 
 
 def _largest_item(costs: ActivationCosts, modalities: frozenset[str], max_text_tokens: int) -> int:

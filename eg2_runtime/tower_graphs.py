@@ -89,6 +89,7 @@ class GraphedTowers:
         self.refused: set[tuple[str, int, int]] = set()
         self.capture_seconds = 0.0
         self.graphing = True  # False inside eager(): every call runs the towers eagerly, chunked
+        self._then = 0  # inside capture_startup: the start-up captures to leave room for
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -172,9 +173,20 @@ class GraphedTowers:
                 i += rows
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def capture_startup(self, image_tokens: int | None, audio: bool) -> None:
+    def capture_startup(self, image_tokens: int | None, audio: bool, then: int = 0) -> None:
         """Capture the one-item buckets short requests take: an image of `image_tokens` soft tokens,
-        a clip of up to ~10 s (fully padded inputs: a capture needs the shapes, not the values)."""
+        a clip of up to ~10 s (fully padded inputs: a capture needs the shapes, not the values). Each
+        leaves room for the executables of `then` captures to follow (the text start-up set); one
+        refused for that room is tried again on first use."""
+        refused, self._then = set(self.refused), then
+        try:
+            self._capture_startup(image_tokens, audio)
+        finally:
+            self._then = 0
+            if then:
+                self.refused = refused
+
+    def _capture_startup(self, image_tokens: int | None, audio: bool) -> None:
         model = self.model
         device = model.language_model.embedding_projection.weight.device
         if image_tokens is not None and model.vision_tower is not None:
@@ -249,9 +261,12 @@ class GraphedTowers:
         )
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-        got = self.pool.capture(step, buffers, estimate, around, run=self.capture, kind=kind)
+        got = self.pool.capture(step, buffers, estimate, around, run=self.capture, then=self._then, kind=kind)
         if got is None:
-            self.pool.warn_refused(f"tower graph {key}")
+            if self._then:  # capture_startup forgets this refusal: first use tries it again
+                log.info("tower graph %s left to first use: the start-up set needs the room", key)
+            else:
+                self.pool.warn_refused(f"tower graph {key}")
             self.refused.add(key)
             return None
         graph, inputs, outputs = got

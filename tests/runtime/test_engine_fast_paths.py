@@ -23,9 +23,10 @@ from eg2_runtime.errors import EG2Error
 from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, OVERDRAFT, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
-from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_GRAPHS
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_AUDIO_TOKENS, STARTUP_GRAPHS
 from eg2_runtime.model import pool
 from eg2_runtime.packed_graphs import PackedTextGraphs
+from eg2_runtime.tower_graphs import FRAME_LADDER, FRAMES_PER_TOKEN
 
 TOL = 1e-5  # FP32 on the CPU: padding must not move a valid row beyond float rounding
 
@@ -114,6 +115,7 @@ def test_past_its_budget_the_pool_admits_executables_within_the_overdraft() -> N
     assert graphs.reserve(big)
     assert not graphs.reserve(big + 1), "adds activations: refused at the budget"
     assert not graphs.admits(1, then=1), "a start-up capture draws on no overdraft"
+    assert not graphs.reserve(1, kind="audio"), "the first of its kind adds activations: no overdraft"
     n = 0
     while graphs.reserve(1):
         n += 1
@@ -139,7 +141,8 @@ def test_a_capture_of_another_kind_counts_its_whole_estimate() -> None:
 
 def test_a_start_up_bucket_leaves_room_for_the_executables_of_the_smaller_ones(tiny_fp32: Path) -> None:
     """The largest start-up bucket is captured only if the smaller ones' executables fit after it:
-    else it is refused and the small buckets, which short queries take, all get their graphs."""
+    else it is passed over and the small buckets, which short queries take, all get their graphs.
+    A bucket passed over is tried again on its first use, with nothing to follow."""
     model, _ = load_model(tiny_fp32, "cpu")
     token_bytes = 1 << 20
     rungs = (32, 64, 128, 256)
@@ -147,7 +150,13 @@ def test_a_start_up_bucket_leaves_room_for_the_executables_of_the_smaller_ones(t
     pool = GraphPool(256 * token_bytes + 2 * GRAPH_EXECUTABLE)
     packed = PackedTextGraphs(model.language_model, 1024, pool=pool, token_bytes=token_bytes, capture=False)
     packed.capture_buckets(rungs)
-    assert sorted(packed.graphs) == [32, 64, 128] and packed.refused == {256}
+    assert sorted(packed.graphs) == [32, 64, 128] and packed.deferred == {256} and not packed.refused
+    tried: list[int] = []
+    capture = packed._capture
+    packed._capture = lambda n, then=0: tried.append(n) or capture(n, then)  # type: ignore[method-assign]
+    packed.capture_buckets(rungs)
+    assert not tried, "the start-up set tries a bucket once"
+    assert packed._capture(256) is None and packed.refused == {256}, "first use: tried, then refused"
 
 
 def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
@@ -177,6 +186,7 @@ def test_the_memory_plan_counts_the_start_up_graphs_the_engine_captures() -> Non
     """memory_plan.STARTUP_GRAPHS (torch-free) restates the start-up set's size: its text buckets and
     one graph per tower."""
     assert len(STARTUP_TEXT_BUCKETS) + 2 == STARTUP_GRAPHS
+    assert FRAME_LADDER[3] // FRAMES_PER_TOKEN == STARTUP_AUDIO_TOKENS, "the audio start-up bucket"
 
 
 def test_a_bucket_the_pool_refuses_hands_its_rows_to_smaller_ones(tiny_fp32: Path) -> None:

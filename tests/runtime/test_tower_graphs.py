@@ -199,3 +199,24 @@ def test_an_eager_chunk_out_of_memory_runs_again_in_halves(engine: Engine) -> No
             _chunked(partial(tight, most=0), 5, 4, pixels, positions)
         with pytest.raises(torch.OutOfMemoryError):  # the warm-up proves the planned chunk: no retry
             _chunked(tight, 5, 4, pixels, positions, retry=False)
+
+
+def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: Engine) -> None:
+    """The towers' start-up graphs count their whole estimates under their own kinds (a text graph's
+    blocks do not hold them), and one that would leave no room for the text start-up set's
+    executables is left to its first use rather than refused for good."""
+    slot, token = 1 << 10, 1 << 12
+    pool = GraphPool(None)
+    towers = GraphedTowers(
+        engine.model, capture=False, pool=pool, slot_bytes=slot, audio_token_bytes=token, **UNBOUNDED
+    )
+    towers.capture_startup(70, audio=True, then=4)
+    assert set(pool.largest) == {"image", "audio"} and not towers.refused
+    image = next(k for k in towers.graphs if k[0] == "image")
+    # A pool with room for the image graph, but not beside four executables to follow.
+    tight = GraphPool(image[1] * image[2] * slot + 2 * GRAPH_EXECUTABLE)
+    towers = GraphedTowers(engine.model, capture=False, pool=tight, slot_bytes=slot, **UNBOUNDED)
+    towers.capture_startup(70, audio=False, then=4)
+    assert not towers.graphs and not towers.refused, "passed over, not refused"
+    towers.capture_startup(70, audio=False)
+    assert set(towers.graphs) == {image}, "with nothing to follow it fits"
