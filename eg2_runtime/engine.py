@@ -47,7 +47,15 @@ from eg2_runtime.inputs import (
     TextPart,
 )
 from eg2_runtime.loader import LoadReport, load_model
-from eg2_runtime.memory_plan import MIB, ActivationCosts, Footprint, MemoryPlan, default_budget, plan
+from eg2_runtime.memory_plan import (
+    MIB,
+    MIN_GRAPH_TEXT_TOKENS,
+    ActivationCosts,
+    Footprint,
+    MemoryPlan,
+    default_budget,
+    plan,
+)
 from eg2_runtime.model import EG2Model
 from eg2_runtime.packed_graphs import FIRST_USE, TOKEN_LADDER, PackedTextGraphs
 from eg2_runtime.packing import Packing
@@ -72,7 +80,7 @@ STATIC_BUFFERS = 24 * MIB
 STARTUP_TEXT_BUCKETS = (*((1, t) for t in LENGTH_LADDER if t <= 512), *((b, 64) for b in (8, 32, 64)))
 # The same for the packed text graphs (`packed_text`): every token bucket up to 64 texts of 64 tokens
 # but the in-between long rungs, which keep the start-up set to the size memory_plan counts.
-STARTUP_TOKEN_BUCKETS = tuple(n for n in TOKEN_LADDER if n <= 64 * 64 and n not in FIRST_USE)
+STARTUP_TOKEN_BUCKETS = tuple(n for n in TOKEN_LADDER if n <= MIN_GRAPH_TEXT_TOKENS and n not in FIRST_USE)
 
 # torch's CPU threads for the model's own CPU ops, read at import (on the importing thread, before any
 # preparing thread set its own count to one, which threads started later would inherit).

@@ -39,6 +39,8 @@ MAX_AUDIO_TOKENS = 750  # 30 s at 25 soft tokens per second
 # Below this the graph pool cannot hold the buckets short requests want (64 short texts, one image
 # of the default 280 tokens): the token table then moves to host memory, where it costs a host-side
 # gather of each batch's rows instead (H200: 64 short docs 3,067 vs 3,177 items/s, in the noise).
+# It is also the packed start-up set's largest bucket (engine.STARTUP_TOKEN_BUCKETS), past which a
+# packed batch runs its full layers' queries and its MLP in chunks of it (packed_attention.QUERY_ROWS).
 MIN_GRAPH_TEXT_TOKENS = 64 * 64
 # An eager forward's peak beside the graph pool and the weights came out up to ~20% over its own
 # activations (the caching allocator's split blocks; H200, 2026-12-01: an 8,192-token text needed

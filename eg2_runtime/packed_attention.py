@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from eg2_runtime.config import FULL, SLIDING, TextConfig
+from eg2_runtime.memory_plan import MIN_GRAPH_TEXT_TOKENS
 from eg2_runtime.packing import Packing
 
 BACKENDS = ("dense", "flex", "flash", "efficient")
@@ -46,9 +47,10 @@ FLASH_MAX_HEAD_DIM = 256
 # The full layers' kernel takes a long batch's queries this many tokens at a time (_efficient): its
 # FP32 accumulator, 8 kB a token at head_dim 512, was the largest part of an 8,192-token forward's
 # peak (24 kB a token, H200, benchmarks/probe_costs.py). At or below it, one call: at 1,024 the
-# 2,200-token document's batch took 8.84 ms against 7.50 in one call (docs/PERF.md), so every bucket
-# up to 4,096 tokens runs as before and only longer batches are cut.
-QUERY_ROWS = 4096
+# 2,200-token document's batch took 8.84 ms against 7.50 in one call (docs/PERF.md), so every
+# start-up bucket (up to memory_plan.MIN_GRAPH_TEXT_TOKENS) runs as before and only longer batches
+# are cut. text.MLP_ROWS is the same number, for the same reason.
+QUERY_ROWS = MIN_GRAPH_TEXT_TOKENS
 
 # FlexAttention tile sizes by (dtype, head_dim); inductor's defaults elsewhere. At 512 in BF16 a
 # 64-row query tile is 64 KiB and each 32-row key or value tile 32 KiB, so two pipeline stages fit

@@ -33,7 +33,7 @@ from eg2_runtime.layers import (
     plain_linears,
     rope_cos_sin,
 )
-from eg2_runtime.packed_attention import PackedAttention
+from eg2_runtime.packed_attention import QUERY_ROWS, PackedAttention
 from eg2_runtime.packing import Packing
 
 # The packed forward computes every layer's PLE slice up front for batches of up to this many tokens
@@ -46,8 +46,9 @@ PLE_UPFRONT_TOKENS = 256
 # The packed forward runs the MLP this many tokens at a time (GatedMLP.in_rows): its gate, up and
 # product take 12 kB a token in BF16. An 8,192-token forward peaked at 18.0 kB a token in chunks of
 # 2,048 against 22.0 whole (H200, benchmarks/probe_costs.py), but the cut slowed the 2,200-token
-# document (docs/PERF.md): at or below this (every start-up graph), one matmul as before.
-MLP_ROWS = 4096
+# document (docs/PERF.md): at or below this (every start-up graph), one matmul as before. The same
+# rule as the full layers' query chunks, so the same constant.
+MLP_ROWS = QUERY_ROWS
 
 # q (N, nh, hd), k and v (N, kv, hd) -> (N, nh, hd): attention over a packed batch.
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
