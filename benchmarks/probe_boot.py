@@ -164,6 +164,9 @@ def main() -> None:
     out["ready_mib"] = nvml()
     graphs, refused = buckets(engine)
     out["start_graphs"], out["start_refused"] = sorted(graphs), sorted(refused)
+    out["start_deferred"] = sorted(
+        str(k) for g in (engine.graphs, engine.packed, engine.towers) if g is not None for k in g.deferred
+    )
     print(json.dumps(out), flush=True)
     rows: dict[str, Any] = {}
     for name, (items, opts) in shapes(Factory(engine.preprocessor)).items():

@@ -542,14 +542,12 @@ class Engine:
         # the executables of those after it, a query's small bucket must not lose to the largest,
         # and one passed over for that room is tried again on first use.
         small = [k for k in startup if text.tokens(k) < 2048]
-        text.capture_buckets((k for k in startup if text.tokens(k) >= 2048), then=len(small) + 2)
         towers = self.towers
+        image, audio = "image" in self.modalities, "audio" in self.modalities
+        tower_graphs = (int(image) + int(audio)) if towers is not None else 0
+        text.capture_buckets((k for k in startup if text.tokens(k) >= 2048), then=len(small) + tower_graphs)
         if towers is not None:
-            towers.capture_startup(
-                IMAGE_TOKEN_BUDGETS[2] if "image" in self.modalities else None,
-                "audio" in self.modalities,
-                then=len(small),
-            )
+            towers.capture_startup(IMAGE_TOKEN_BUDGETS[2] if image else None, audio, then=len(small))
         text.capture_buckets(startup)
         self._cap_allocator()
         n = len(text.graphs) + (len(towers.graphs) if towers is not None else 0)

@@ -111,6 +111,10 @@ class GraphPool:
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest: dict[str, int] = {}  # per kind, the largest estimate among its captures
+        # Whether the last refusal only kept room for captures to follow (`then`), measuring
+        # nothing: first use may try that bucket again. A capture dropped for what it measured, or
+        # stopped by the allocator's cap, is refused for good.
+        self.deferrable = False
 
     def reuses(self, estimate: int, kind: str = "text") -> bool:
         """Whether a capture of its kind at least as large already holds the blocks such a capture's
@@ -182,10 +186,13 @@ class GraphPool:
         `run` False captures nothing (the CPU, where the padded step runs eagerly in the graph's
         stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
         None) comes back. `then` and `kind`: see `admits` and `need`."""
-        if not run:
-            return (None, inputs(), None) if self.reserve(estimate, then, kind) else None
+        self.deferrable = False
         if not self.admits(estimate, then, kind):
+            self.deferrable = bool(then)
             return None
+        if not run:
+            self._took(estimate, self.need(estimate, kind), kind)
+            return None, inputs(), None
         before = self._now()
         try:
             buffers = inputs()
@@ -198,8 +205,9 @@ class GraphPool:
             del graph, buffers, out  # no room left for the rest of the set: drop it again
             self.used += max(0, self._now() - before)
             return None
-        # An executable at least: NVML may round a capture's growth down, and without NVML the
-        # allocator's counters do not see executables at all (which would leave OVERDRAFT unbounded).
+        # An executable at least: NVML may round a capture's growth down, and the allocator's
+        # counters (without NVML) miss executables, which would leave OVERDRAFT unbounded. There the
+        # first capture of a kind counts its activations only: its executable goes unseen.
         self._took(estimate, max(added, GRAPH_EXECUTABLE), kind)
         return graph, buffers, out
 
@@ -300,13 +308,14 @@ class TextGraphs(Generic[K]):
         self, key: K, step: Callable[..., Any], inputs: Callable[[], Sequence[torch.Tensor]], then: int = 0
     ) -> Captured | None:
         """Bucket `key`'s graph of `step` over the buffers `inputs()` makes, captured now; None when
-        the pool's budget does not hold its tokens: the bucket is refused for good, or with `then`
-        (the executables of captures to follow) deferred to its first use."""
+        the pool's budget does not hold its tokens: the bucket is refused for good, or deferred to
+        its first use where only the room for `then` captures to follow refused it."""
         t0 = time.perf_counter()
         estimate = self.token_bytes * self.tokens(key)
         got = self.pool.capture(step, inputs, estimate, run=self.capture, then=then)
+        self.deferred.discard(key)
         if got is None:
-            if then:  # refused to keep room for the start-up set: first use tries it again
+            if self.pool.deferrable:  # only the start-up set's room refused it: first use tries again
                 log.info("text graph %s left to first use: the start-up set needs the room", key)
                 self.deferred.add(key)
                 return None

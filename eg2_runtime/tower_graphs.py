@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
 FRAMES_PER_TOKEN = 4  # the audio tower halves the time axis twice
+# A tower's padded step: static inputs -> (soft tokens (Nb, M, H), used (Nb, M)).
+Step = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -89,7 +91,9 @@ class GraphedTowers:
         self.refused: set[tuple[str, int, int]] = set()
         self.capture_seconds = 0.0
         self.graphing = True  # False inside eager(): every call runs the towers eagerly, chunked
-        self._then = 0  # inside capture_startup: the start-up captures to leave room for
+        # Buckets the start-up set passed over to keep room for the captures after them: tried on
+        # first use.
+        self.deferred: set[tuple[str, int, int]] = set()
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -176,30 +180,39 @@ class GraphedTowers:
     def capture_startup(self, image_tokens: int | None, audio: bool, then: int = 0) -> None:
         """Capture the one-item buckets short requests take: an image of `image_tokens` soft tokens,
         a clip of up to ~10 s (fully padded inputs: a capture needs the shapes, not the values). Each
-        leaves room for the executables of `then` captures to follow (the text start-up set); one
-        refused for that room is tried again on first use."""
-        refused, self._then = set(self.refused), then
-        try:
-            self._capture_startup(image_tokens, audio)
-        finally:
-            self._then = 0
-            if then:
-                self.refused = refused
-
-    def _capture_startup(self, image_tokens: int | None, audio: bool) -> None:
+        leaves room for the executables of the ones after it and `then` more (the text start-up
+        set); one refused only for that room is deferred to its first use."""
         model = self.model
         device = model.language_model.embedding_projection.weight.device
+        wanted: list[
+            tuple[tuple[str, int, int], Callable[[], tuple[torch.Tensor, ...]], tuple[float, ...], Step]
+        ] = []
         if image_tokens is not None and model.vision_tower is not None:
             cfg = model.vision_tower.cfg
             s = image_tokens * cfg.pooling_kernel_size**2
-            pixels = torch.zeros(1, s, 3 * cfg.patch_size**2, dtype=torch.uint8, device=device)
-            self.image_soft_tokens(pixels, torch.full((1, s, 2), -1, dtype=torch.long, device=device))
+
+            def image() -> tuple[torch.Tensor, ...]:
+                return (
+                    torch.zeros(1, s, 3 * cfg.patch_size**2, dtype=torch.uint8, device=device),
+                    torch.full((1, s, 2), -1, dtype=torch.long, device=device),
+                )
+
+            wanted.append((("image", 1, s), image, (0.0, -1.0), self._image_step))
         if audio and model.audio_tower is not None:
             frames = FRAME_LADDER[3]
             # The mel bins: the reference sizes the tower's projection from c0 as if they were equal.
             bins = model.audio_tower.cfg.subsampling_conv_channels[0]
-            features = torch.zeros(1, frames, bins, dtype=model.dtype, device=device)
-            self.audio_soft_tokens(features, torch.zeros(1, frames, dtype=torch.bool, device=device))
+
+            def clip() -> tuple[torch.Tensor, ...]:
+                return (
+                    torch.zeros(1, frames, bins, dtype=model.dtype, device=device),
+                    torch.zeros(1, frames, dtype=torch.bool, device=device),
+                )
+
+            wanted.append((("audio", 1, frames), clip, (0.0, 0.0), self._audio_step))
+        for i, (key, buffers, fills, step) in enumerate(wanted):
+            if key not in self.graphs and key not in self.refused:
+                self._capture(key, buffers, fills, step, then=then + len(wanted) - 1 - i)
 
     # ---- the padded steps: static shapes, no host sync ------------------------------------------
 
@@ -250,24 +263,28 @@ class GraphedTowers:
         key: tuple[str, int, int],
         buffers: Callable[[], tuple[torch.Tensor, ...]],
         fills: tuple[float, ...],
-        step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        step: Step,
+        then: int = 0,
     ) -> _Captured | None:
-        """The bucket's graph, captured now; None (and the bucket refused for good) when the pool's
-        budget does not hold it. Without `capture`, the padded step runs eagerly each time, admitted
-        as its graph would be."""
+        """The bucket's graph, captured now; None when the pool's budget does not hold it: the bucket
+        is refused for good, or deferred to its first use where only the room for `then` captures to
+        follow refused it. Without `capture`, the padded step runs eagerly each time, admitted as its
+        graph would be."""
         kind, n, size = key
         estimate = (
             n * size * (self.slot_bytes if kind == "image" else self.audio_token_bytes // FRAMES_PER_TOKEN)
         )
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-        got = self.pool.capture(step, buffers, estimate, around, run=self.capture, then=self._then, kind=kind)
+        got = self.pool.capture(step, buffers, estimate, around, run=self.capture, then=then, kind=kind)
+        self.deferred.discard(key)
         if got is None:
-            if self._then:  # capture_startup forgets this refusal: first use tries it again
+            if self.pool.deferrable:
                 log.info("tower graph %s left to first use: the start-up set needs the room", key)
+                self.deferred.add(key)
             else:
                 self.pool.warn_refused(f"tower graph {key}")
-            self.refused.add(key)
+                self.refused.add(key)
             return None
         graph, inputs, outputs = got
         self.graphs[key] = _Captured(graph, tuple(inputs), fills, outputs)

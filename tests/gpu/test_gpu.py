@@ -332,6 +332,8 @@ def test_host_token_table(full: dict[str, Path], results: Path | None) -> None:
     device = _engine(full["w4"], graph_max_tokens=0)
     assert device.model.language_model.embed_tokens.weight.device.type == "cuda", "the plan keeps it"
     assert host.report.host_bytes == table.nbytes and device.report.host_bytes == 0
+    assert host.plan is not None and host.plan.host_token_table, "the operator's place, as planned"
+    assert host.plan.weights == host.report.resident_bytes, "sized without the table it cannot move"
     assert device.report.resident_bytes == host.report.resident_bytes + table.nbytes
     figures: dict[str, Any] = {"resident_bytes": host_bytes, "bf16_bytes": dense, "load_peak_bytes": load_peak,
                                "ratio_vs_bf16": round(host_bytes / dense, 4), "report": host.report.summary()}  # fmt: skip

@@ -182,6 +182,25 @@ def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
     assert got is not None and pool.used == 260 * mib
 
 
+def test_a_start_up_bucket_dropped_for_what_it_measured_is_refused_not_deferred(
+    monkeypatch: pytest.MonkeyPatch, tiny_fp32: Path
+) -> None:
+    """Deferral is for a bucket only the start-up set's room refused (by its estimate); one captured,
+    measured past that room and dropped would measure the same on first use: refused for good."""
+    from eg2_runtime import graphs as graphs_module
+
+    mib = 1 << 20
+    model, _ = load_model(tiny_fp32, "cpu")
+    pool = GraphPool(234 * mib)
+    readings = iter([0, 300 * mib, 10 * mib])  # before, after the capture, after dropping it
+    monkeypatch.setattr(pool, "_now", lambda: next(readings))
+    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+    packed = PackedTextGraphs(model.language_model, 1024, pool=pool, token_bytes=mib, capture=False)
+    packed.capture = True  # the scripted capture_graph stands in for the GPU
+    assert packed._capture(128, then=2) is None
+    assert packed.refused == {128} and not packed.deferred and not pool.deferrable
+
+
 def test_the_memory_plan_counts_the_start_up_graphs_the_engine_captures() -> None:
     """memory_plan.STARTUP_GRAPHS (torch-free) restates the start-up set's size: its text buckets and
     one graph per tower."""

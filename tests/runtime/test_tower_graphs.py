@@ -203,8 +203,8 @@ def test_an_eager_chunk_out_of_memory_runs_again_in_halves(engine: Engine) -> No
 
 def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: Engine) -> None:
     """The towers' start-up graphs count their whole estimates under their own kinds (a text graph's
-    blocks do not hold them), and one that would leave no room for the text start-up set's
-    executables is left to its first use rather than refused for good."""
+    blocks do not hold them). One that would leave no room for the executables of the captures after
+    it is deferred to its first use, not refused for good, and no other bucket stands in for it."""
     slot, token = 1 << 10, 1 << 12
     pool = GraphPool(None)
     towers = GraphedTowers(
@@ -217,6 +217,6 @@ def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: E
     tight = GraphPool(image[1] * image[2] * slot + 2 * GRAPH_EXECUTABLE)
     towers = GraphedTowers(engine.model, capture=False, pool=tight, slot_bytes=slot, **UNBOUNDED)
     towers.capture_startup(70, audio=False, then=4)
-    assert not towers.graphs and not towers.refused, "passed over, not refused"
+    assert not towers.graphs and not towers.refused and towers.deferred == {image}, "passed over"
     towers.capture_startup(70, audio=False)
-    assert set(towers.graphs) == {image}, "with nothing to follow it fits"
+    assert set(towers.graphs) == {image} and not towers.deferred, "with nothing to follow it fits"
