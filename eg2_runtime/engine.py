@@ -207,7 +207,8 @@ class Engine:
         # The allocator's hard cap: a batch that does not fit fails (the batcher splits it) instead of
         # taking memory past the budget. Graph pools count too.
         self._cap_allocator()
-        pool = GraphPool(self.plan.graph_pool, self._process_bytes)  # the text and the tower graphs
+        # The text and the tower graphs' one pool; the allocator's cap follows each capture.
+        pool = GraphPool(self.plan.graph_pool, self._process_bytes, grew=self._cap_allocator)
         costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
@@ -298,8 +299,9 @@ class Engine:
 
     def _cap_allocator(self) -> None:
         """Cap the allocator at the budget less the base: from the plan's base at first, and again
-        once warm, from the base measured then (kernels and CUDA graph executables loaded since
-        take memory outside the allocator), so the process as a whole stays within the budget."""
+        once warm and after every graph capture (GraphPool's `grew`), from the base measured then
+        (kernels and CUDA graph executables loaded since take memory outside the allocator), so the
+        process as a whole stays within the budget."""
         assert self.plan is not None
         base = self.plan.base
         if (now := self._process_bytes()) is not None:

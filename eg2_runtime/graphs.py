@@ -105,10 +105,19 @@ class GraphPool:
     image graphs' blocks held, were refused: 97 against 44 ms).
     """
 
-    def __init__(self, budget: int | None, read: Callable[[], int | None] | None = None) -> None:
+    def __init__(
+        self,
+        budget: int | None,
+        read: Callable[[], int | None] | None = None,
+        grew: Callable[[], None] | None = None,
+    ) -> None:
         self.handle = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
         self.budget = budget
         self.read = read  # the process's GPU memory in bytes (NVML), or None
+        # Called after every capture that ran (kept, dropped or stopped midway): its executable is
+        # device memory outside the allocator, so the engine caps the allocator again from the
+        # process's memory now (Engine._cap_allocator), and the process stays within its budget.
+        self.grew = grew
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest: dict[str, int] = {}  # per kind, the largest estimate among its captures
         # Whether the last refusal only kept room for captures to follow (`then`), measuring
@@ -193,6 +202,21 @@ class GraphPool:
         if not run:
             self._took(estimate, self.need(estimate, kind), kind)
             return None, inputs(), None
+        try:
+            return self._capture(step, inputs, estimate, around, then, kind)
+        finally:
+            if self.grew is not None:
+                self.grew()
+
+    def _capture(
+        self,
+        step: Callable[..., Any],
+        inputs: Callable[[], Sequence[torch.Tensor]],
+        estimate: int,
+        around: Callable[[], AbstractContextManager[Any]],
+        then: int,
+        kind: str,
+    ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
         before = self._now()
         try:
             buffers = inputs()

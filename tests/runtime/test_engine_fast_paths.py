@@ -182,6 +182,24 @@ def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
     assert got is not None and pool.used == 260 * mib
 
 
+def test_the_pool_reports_every_capture_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`grew` follows every capture that ran, kept or dropped, so the engine caps its allocator
+    again (a graph's executable is memory outside the allocator); a refusal by estimate ran none."""
+    from eg2_runtime import graphs as graphs_module
+
+    mib = 1 << 20
+    calls: list[int] = []
+    pool = GraphPool(234 * mib, grew=lambda: calls.append(pool.used))
+    readings = iter([0, 300 * mib, 10 * mib, 10 * mib, 150 * mib])
+    monkeypatch.setattr(pool, "_now", lambda: next(readings))
+    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+    step, inputs = (lambda: None), (lambda: [])
+    assert pool.capture(step, inputs, 170 * mib, then=2) is None  # ran, dropped
+    assert pool.capture(step, inputs, 130 * mib, then=2) is not None  # ran, kept
+    assert pool.capture(step, inputs, 300 * mib) is None  # refused by its estimate: nothing ran
+    assert calls == [10 * mib, 150 * mib]
+
+
 def test_a_start_up_bucket_dropped_for_what_it_measured_is_refused_not_deferred(
     monkeypatch: pytest.MonkeyPatch, tiny_fp32: Path
 ) -> None:
