@@ -44,15 +44,19 @@ ALLOCATED_GROWTH: list[int] = []  # what each capture left counted as allocated
 
 
 def pool_growth(capture: Callable[[GraphPool], object]) -> int:
-    """Reserved growth of a fresh graph pool capturing one bucket (its warm-up's cache emptied)."""
+    """Reserved growth of a fresh graph pool capturing one bucket (its warm-up's cache emptied).
+    `capture` returns what holds the graph: the pool's blocks are measured while it lives (a graph
+    dropped before the reading gave its pool back, and every growth read 0)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
-    capture(GraphPool(None))  # a fresh pool of its own, unbounded
+    held = capture(GraphPool(None))  # a fresh pool of its own, unbounded
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     ALLOCATED_GROWTH.append(torch.cuda.memory_allocated() - allocated)
-    return torch.cuda.memory_reserved() - before
+    growth = torch.cuda.memory_reserved() - before
+    del held
+    return growth
 
 
 def packed_costs(lm: Any, h: int, dt: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -115,7 +119,13 @@ def main() -> None:
             grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1)
             positions[:, : side * side] = grid.reshape(-1, 2).cuda()
             peak = eager_peak(lambda p=pixels, q=positions: model.image_soft_tokens(p, q))  # type: ignore[misc]
-            growth = pool_growth(lambda pl, p=pixels, q=positions: towers(pl).image_soft_tokens(p, q))  # type: ignore[misc]
+
+            def image(pl: GraphPool, p: torch.Tensor = pixels, q: torch.Tensor = positions) -> GraphedTowers:
+                held = towers(pl)
+                held.image_soft_tokens(p, q)  # captures its bucket, which `held` keeps
+                return held
+
+            growth = pool_growth(image)
             out["vision"][f"{n}x{s}"] = {
                 "eager_bytes": peak,
                 "eager_per_slot": peak // (n * s),
@@ -126,7 +136,13 @@ def main() -> None:
             feats = torch.randn(n, f, 128, dtype=dt, device="cuda")
             mask = torch.ones(n, f, dtype=torch.bool, device="cuda")
             peak = eager_peak(lambda x=feats, m=mask: model.audio_soft_tokens(x, m))  # type: ignore[misc]
-            growth = pool_growth(lambda pl, x=feats, m=mask: towers(pl).audio_soft_tokens(x, m))  # type: ignore[misc]
+
+            def clip(pl: GraphPool, x: torch.Tensor = feats, m: torch.Tensor = mask) -> GraphedTowers:
+                held = towers(pl)
+                held.audio_soft_tokens(x, m)  # captures its bucket, which `held` keeps
+                return held
+
+            growth = pool_growth(clip)
             tokens = n * f // 4
             out["audio"][f"{n}x{f}"] = {
                 "eager_bytes": peak,
