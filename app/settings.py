@@ -90,8 +90,8 @@ class Settings(BaseSettings):
         description="Keep the 256 MiB token-embedding table in pinned host memory (GPU only): resident "
         "weights drop from 0.56x to 0.38x of BF16, for a host-side gather and one copy of the batch's "
         "embeddings per forward (H200: 64 short docs 3,067 vs 3,177 items/s, within run-to-run noise "
-        "elsewhere). Vectors are bit-identical. Unset: the memory budget decides (it moves the table when "
-        "the graph pool would otherwise be too small).",
+        "elsewhere). Vectors are bit-identical. Unset: the memory budget decides (it keeps the table in "
+        "host memory when the graph pool would otherwise be too small; the 2,000 MiB default does).",
     )
     cuda_graph_max_tokens: int = Field(
         default=16384,
