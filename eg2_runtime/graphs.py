@@ -89,12 +89,13 @@ class GraphPool:
     and batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
 
     A start-up capture (one with `then` smaller ones to follow) that leaves too little room for
-    their executables is dropped again (what it left behind stays counted) and its bucket refused
-    for the start-up set only (first use tries it again, with nothing to follow), so the next
-    smaller one is tried: the estimates are models, and the start-up set must keep the
+    their executables is dropped again (what it left behind stays counted) and its bucket refused,
+    so the next smaller one is tried: the estimates are models, and the start-up set must keep the
     small buckets short requests take (H200, 2026-12-02: the text-only engine's first bucket, 4,096
     tokens estimated at 170 MiB, added 298 to a 234 MiB pool and was kept, and every later bucket
-    was refused: one-token queries replayed 4,096 tokens). A capture on first use is kept as
+    was refused: one-token queries replayed 4,096 tokens). One refused by its estimate alone, for
+    the room of the captures to follow, is deferred instead (`deferrable`): its first use tries it
+    again, with nothing to follow. A capture on first use is kept as
     measured: the traffic asked for it, and the eager share's margin absorbs an overshoot (the
     process peaks stayed under the 2,000 MiB budget with every capture kept).
 
