@@ -201,8 +201,7 @@ class Engine:
             torch.cuda.synchronize(self.device)
             set_cuda_stack_limit(options.cuda_stack_bytes)
         self.plan = self._plan()
-        host = options.host_token_table
-        self._place_table(self.plan.host_token_table if host is None else host)
+        self._place_table(self.plan.host_token_table)  # the operator's place, where set (_plan)
         torch.cuda.empty_cache()
         # The allocator's hard cap: a batch that does not fit fails (the batcher splits it) instead of
         # taking memory past the budget. Graph pools count too.
@@ -337,10 +336,10 @@ class Engine:
         t0 = time.perf_counter()
         gpu_memory = ProcessGpuMemory()  # before the weights: see ProcessGpuMemory
         wanted = frozenset(modalities) if modalities is not None else None
-        ahead = (options or EngineOptions()).unpack_ahead
+        opts = options or EngineOptions()
         # The table waits in host memory for the memory plan to place it (Engine.__init__) unless
         # the operator asked for it on the device.
-        host_table = (options or EngineOptions()).host_token_table is not False
+        host_table = opts.host_token_table is not False
         model, report = load_model(
             model_dir,
             device,
@@ -348,7 +347,7 @@ class Engine:
             dtype=dtype,
             pack=pack,
             group_size=group_size,
-            unpack_ahead=ahead,
+            unpack_ahead=opts.unpack_ahead,
             table_on_host=host_table,
         )
         media = sorted(model.modalities - {"text"})
@@ -550,8 +549,7 @@ class Engine:
         text.capture_buckets((k for k in startup if text.tokens(k) >= 2048), then=len(small) + tower_graphs)
         if towers is not None:
             towers.capture_startup(IMAGE_TOKEN_BUDGETS[2] if image else None, audio, then=len(small))
-        text.capture_buckets(startup)
-        self._cap_allocator()
+        text.capture_buckets(startup)  # the allocator's cap followed each capture (GraphPool.grew)
         n = len(text.graphs) + (len(towers.graphs) if towers is not None else 0)
         log.info("captured %d graphs in %.1f s", n, time.perf_counter() - t0)
         return n
