@@ -68,13 +68,15 @@ def shapes(factory: Factory) -> dict[str, tuple[list[Item], PrepareOptions]]:
     }
 
 
-def buckets(engine: Engine) -> tuple[set[str], set[str]]:
-    graphs, refused = set(), set()
+def buckets(engine: Engine) -> tuple[set[str], set[str], set[str]]:
+    """The engine's captured, refused and deferred graph buckets."""
+    graphs, refused, deferred = set(), set(), set()
     for g in (engine.graphs, engine.packed, engine.towers):
         if g is not None:
             graphs |= {str(k) for k, c in g.graphs.items() if c.graph is not None}
             refused |= {str(k) for k in g.refused}
-    return graphs, refused
+            deferred |= {str(k) for k in g.deferred}
+    return graphs, refused, deferred
 
 
 def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, Any]:
@@ -162,11 +164,9 @@ def main() -> None:
         "used_mib": pool.used / MIB if pool else None,
     }
     out["ready_mib"] = nvml()
-    graphs, refused = buckets(engine)
+    graphs, refused, deferred = buckets(engine)
     out["start_graphs"], out["start_refused"] = sorted(graphs), sorted(refused)
-    out["start_deferred"] = sorted(
-        str(k) for g in (engine.graphs, engine.packed, engine.towers) if g is not None for k in g.deferred
-    )
+    out["start_deferred"] = sorted(deferred)
     print(json.dumps(out), flush=True)
     rows: dict[str, Any] = {}
     for name, (items, opts) in shapes(Factory(engine.preprocessor)).items():
@@ -191,7 +191,7 @@ def main() -> None:
                 times.append(1e3 * (time.perf_counter() - t))
         except EngineOutOfMemory as e:
             row["error"] = str(e)
-        now_graphs, now_refused = buckets(engine)
+        now_graphs, now_refused, _ = buckets(engine)
         row |= {
             "tokens": sum(int(getattr(p, "num_tokens", 0)) for p in prepared),
             "first_ms": times[0] if times else None,
