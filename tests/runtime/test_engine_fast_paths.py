@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from eg2_runtime import graphs as graphs_module
 from eg2_runtime import samples
 from eg2_runtime.engine import STARTUP_TEXT_BUCKETS, Engine, EngineOptions
 from eg2_runtime.errors import EG2Error
@@ -159,6 +161,13 @@ def test_a_start_up_bucket_leaves_room_for_the_executables_of_the_smaller_ones(t
     assert packed._capture(256) is None and packed.refused == {256}, "first use: tried, then refused"
 
 
+def _scripted(monkeypatch: pytest.MonkeyPatch, pool: GraphPool, readings: Iterator[int]) -> None:
+    """The pool's GPU readings from `readings`, one per `_now`, and a capture that runs nothing: the
+    pool's arithmetic on the CPU."""
+    monkeypatch.setattr(pool, "_now", lambda: next(readings))
+    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+
+
 def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -166,13 +175,10 @@ def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
     follow is dropped again (what it left behind still counted) and refused; a smaller one then fits.
     A capture on first use (nothing to follow) is kept as measured. The GPU readings are scripted:
     this checks the pool's arithmetic."""
-    from eg2_runtime import graphs as graphs_module
-
     mib = 1 << 20
     readings = iter([0, 300 * mib, 10 * mib, 10 * mib, 150 * mib, 150 * mib, 260 * mib])  # around each
     pool = GraphPool(234 * mib)
-    monkeypatch.setattr(pool, "_now", lambda: next(readings))
-    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+    _scripted(monkeypatch, pool, readings)
     step, inputs = (lambda: None), (lambda: [])
     assert pool.capture(step, inputs, 170 * mib, then=2) is None, "300 MiB measured, 234 MiB of budget"
     assert pool.used == 10 * mib and not pool.largest  # what the dropped capture left (a workspace)
@@ -185,14 +191,11 @@ def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
 def test_the_pool_reports_every_capture_that_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     """`grew` follows every capture that ran, kept or dropped, so the engine caps its allocator
     again (a graph's executable is memory outside the allocator); a refusal by estimate ran none."""
-    from eg2_runtime import graphs as graphs_module
-
     mib = 1 << 20
     calls: list[int] = []
     pool = GraphPool(234 * mib, grew=lambda: calls.append(pool.used))
     readings = iter([0, 300 * mib, 10 * mib, 10 * mib, 150 * mib])
-    monkeypatch.setattr(pool, "_now", lambda: next(readings))
-    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+    _scripted(monkeypatch, pool, readings)
     step, inputs = (lambda: None), (lambda: [])
     assert pool.capture(step, inputs, 170 * mib, then=2) is None  # ran, dropped
     assert pool.capture(step, inputs, 130 * mib, then=2) is not None  # ran, kept
@@ -205,14 +208,11 @@ def test_a_start_up_bucket_dropped_for_what_it_measured_is_refused_not_deferred(
 ) -> None:
     """Deferral is for a bucket only the start-up set's room refused (by its estimate); one captured,
     measured past that room and dropped would measure the same on first use: refused for good."""
-    from eg2_runtime import graphs as graphs_module
-
     mib = 1 << 20
     model, _ = load_model(tiny_fp32, "cpu")
     pool = GraphPool(234 * mib)
     readings = iter([0, 300 * mib, 10 * mib])  # before, after the capture, after dropping it
-    monkeypatch.setattr(pool, "_now", lambda: next(readings))
-    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+    _scripted(monkeypatch, pool, readings)
     packed = PackedTextGraphs(model.language_model, 1024, pool=pool, token_bytes=mib, capture=False)
     packed.capture = True  # the scripted capture_graph stands in for the GPU
     assert packed._capture(128, then=2) is None
