@@ -11,11 +11,18 @@ plan, the graph pool's measured use, the captured and refused
 buckets; then, per request shape, the median embed time, the allocator's peak above what was held
 before, the process's GPU memory (NVML) and the buckets that shape added or had refused.
 Writes boot-<tag>.json into DIR.
+
+--history records the caching allocator's history through the warm-up (torch.cuda.memory's
+`_record_memory_history`) and writes, beside the phases, the live set at the warm-up's allocator peak
+grouped by the innermost eg2_runtime frame that allocated it (what a long batch holds at once), and
+after each phase the memory outside the allocator (NVML less reserved) and the CUDA stack limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
 import json
 import os
 import time
@@ -32,6 +39,7 @@ from benchmarks.workloads import DEFAULT_CACHE, Factory, Input, checkpoints
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EngineOutOfMemory
+from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, cudart
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import MIB
 
@@ -108,6 +116,47 @@ def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, An
     }
 
 
+def stack_limit() -> int | None:
+    """The CUDA context's per-thread stack bytes now (cudaDeviceGetLimit)."""
+    runtime, value = cudart(), ctypes.c_size_t(0)
+    if runtime is None or runtime.cudaDeviceGetLimit(ctypes.byref(value), CUDA_LIMIT_STACK_SIZE) != 0:
+        return None
+    return value.value
+
+
+def peak_live_set(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
+    """Replays the allocator's trace: the most bytes its traced blocks held at once, and those blocks
+    grouped by the innermost eg2_runtime frame that allocated them (blocks from before the recording
+    started are not in the trace)."""
+    live: dict[int, tuple[int, str]] = {}
+    held = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in snapshot["device_traces"][0]:
+        action, addr, size = event["action"], event["addr"], event["size"]
+        if action == "alloc":
+            frames = event.get("frames") or []
+            ours = [f for f in frames if "eg2_runtime" in f["filename"]]
+            where = (
+                f"{ours[0]['filename'].split('eg2_runtime/')[-1]}:{ours[0]['line']} {ours[0]['name']}"
+                if ours
+                else "-"
+            )
+            live[addr] = (size, where)
+            held += size
+            if held > peak:
+                peak, at_peak = held, dict(live)
+        elif action == "free_completed" and addr in live:
+            held -= live.pop(addr)[0]
+    groups: collections.Counter[str] = collections.Counter()
+    for size, where in at_peak.values():
+        groups[where] += size
+    return {
+        "peak_mib": peak / MIB,
+        "blocks": len(at_peak),
+        "by_frame_mib": {k: round(v / MIB, 2) for k, v in groups.most_common(top)},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -120,6 +169,7 @@ def main() -> None:
         "--profile", default="", help="shapes to profile, comma-separated (e.g. query,1 image)"
     )
     parser.add_argument("--only", default="", help="run only these shapes, comma-separated")
+    parser.add_argument("--history", action="store_true", help="the warm-up's live set at its peak")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table = "-host-table" if args.host_token_table else ""
@@ -139,12 +189,21 @@ def main() -> None:
     out: dict[str, Any] = {"tag": tag, "plan": engine.plan.describe() if engine.plan else None}
     nvml = lambda: engine.memory().get("process_gpu_bytes", 0) / MIB  # noqa: E731
     out["load_mib"] = nvml()
+    outside: dict[str, Any] = {}  # phase -> (NVML less the allocator's reserved MiB, stack bytes)
+    if args.history:
+        outside["load"] = (nvml() - torch.cuda.memory_reserved() / MIB, stack_limit())
+        torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     phases["warm_up"] = time.time()
     try:
         out["limits"] = engine.warm_up(64, GPU_BATCH_TOKENS)
     except EngineOutOfMemory as e:
         out["warm_up_error"] = str(e)
     out["warmup_mib"] = nvml()
+    if args.history:
+        torch.cuda.synchronize()
+        out["warm_up_live_set"] = peak_live_set(torch.cuda.memory._snapshot())
+        torch.cuda.memory._record_memory_history(enabled=None)
+        outside["warm_up"] = (nvml() - torch.cuda.memory_reserved() / MIB, stack_limit())
     phases["capture"] = time.time()
     t0 = time.perf_counter()
     out["graphs_at_start"] = engine.capture_graphs()
@@ -164,6 +223,9 @@ def main() -> None:
         "used_mib": pool.used / MIB if pool else None,
     }
     out["ready_mib"] = nvml()
+    if args.history:
+        outside["ready"] = (nvml() - torch.cuda.memory_reserved() / MIB, stack_limit())
+        out["outside_allocator_mib_and_stack"] = outside
     graphs, refused, deferred = buckets(engine)
     out["start_graphs"], out["start_refused"] = sorted(graphs), sorted(refused)
     out["start_deferred"] = sorted(deferred)
