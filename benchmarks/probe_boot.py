@@ -116,6 +116,9 @@ def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, An
     }
 
 
+ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+
+
 def stack_limit() -> int | None:
     """The CUDA context's per-thread stack bytes now (cudaDeviceGetLimit)."""
     runtime, value = cudart(), ctypes.c_size_t(0)
@@ -243,6 +246,7 @@ def main() -> None:
             continue
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated()
+        stats = {k: torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_EVENTS}
         torch.cuda.reset_peak_memory_stats()
         times: list[float] = []
         row: dict[str, Any] = {}
@@ -259,6 +263,10 @@ def main() -> None:
             "first_ms": times[0] if times else None,
             "median_ms": float(np.median(times[2:])) if len(times) > 2 else None,
             "peak_above_held_mib": (torch.cuda.max_memory_allocated() - held) / MIB,
+            # the allocator's own work during the shape's embeds: device allocations and frees
+            # (cudaMalloc / cudaFree, or the pages mapped with expandable segments), and retries
+            # after its cap refused one (its cache released first): each a stall
+            **{k: torch.cuda.memory_stats().get(k, 0) - v for k, v in stats.items()},
             "process_mib": nvml(),
             "new_graphs": sorted(now_graphs - graphs),
             "new_refused": sorted(now_refused - refused),
