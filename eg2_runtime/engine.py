@@ -76,11 +76,25 @@ STATIC_BUFFERS = 24 * MIB
 
 
 # The text buckets captured at boot (capture_graphs): one text of up to 512 tokens, batches of short
-# texts. With one graph per tower, memory_plan.STARTUP_GRAPHS counts them (a test holds the two equal).
+# texts. With one graph per tower, startup_graph_count counts them for the memory plan.
 STARTUP_TEXT_BUCKETS = (*((1, t) for t in LENGTH_LADDER if t <= 512), *((b, 64) for b in (8, 32, 64)))
 # The same for the packed text graphs (`packed_text`): every token bucket up to 64 texts of 64 tokens
 # but the in-between long rungs, which keep the start-up set to the size memory_plan counts.
 STARTUP_TOKEN_BUCKETS = tuple(n for n in TOKEN_LADDER if n <= MIN_GRAPH_TEXT_TOKENS and n not in FIRST_USE)
+
+
+def startup_tower_graphs(modalities: Iterable[str]) -> int:
+    """The towers' graphs capture_graphs takes at boot: one image of the default budget where images
+    are served, one clip where audio is."""
+    served = set(modalities)
+    return int("image" in served) + int("audio" in served)
+
+
+def startup_graph_count(modalities: Iterable[str], packed_text: bool) -> int:
+    """How many graphs capture_graphs takes at boot: its text buckets and the towers'."""
+    text = STARTUP_TOKEN_BUCKETS if packed_text else STARTUP_TEXT_BUCKETS
+    return len(text) + startup_tower_graphs(modalities)
+
 
 # torch's CPU threads for the model's own CPU ops, read at import (on the importing thread, before any
 # preparing thread set its own count to one, which threads started later would inherit).
@@ -258,6 +272,7 @@ class Engine:
             costs=ActivationCosts.from_config(cfg, self.model.dtype.itemsize),
             modalities=self.modalities,
             max_text_tokens=self.max_text_tokens,
+            startup_graphs=startup_graph_count(self.modalities, self.packs_text),
             max_batch_tokens=self.options.max_forward_tokens,
         )
         budget = self.options.gpu_memory_budget
@@ -494,6 +509,12 @@ class Engine:
                     wanted = max(1, min(max_batch_items, cap // one.cost))
                     if (n := self._fit(one, wanted)) < wanted:
                         limits[modality] = n * one.cost
+                    if self.device.type == "cuda":
+                        # Each modality's batch leaves cached blocks shaped for its own tensors,
+                        # which the next one's mostly cannot reuse: handed back now, the boot peaks
+                        # at the costliest modality's batch rather than near their sum (H200,
+                        # 2026-12-03: all four modalities 1,932 MiB without this, docs/PERF.md).
+                        torch.cuda.empty_cache()
         finally:
             self._eager_text = False
             if self.device.type == "cuda":
@@ -545,7 +566,7 @@ class Engine:
         small = [k for k in startup if text.tokens(k) < 2048]
         towers = self.towers
         image, audio = "image" in self.modalities, "audio" in self.modalities
-        tower_graphs = (int(image) + int(audio)) if towers is not None else 0
+        tower_graphs = startup_tower_graphs(self.modalities) if towers is not None else 0
         text.capture_buckets((k for k in startup if text.tokens(k) >= 2048), then=len(small) + tower_graphs)
         if towers is not None:
             towers.capture_startup(IMAGE_TOKEN_BUDGETS[2] if image else None, audio, then=len(small))

@@ -351,6 +351,33 @@ def test_host_token_table(full: dict[str, Path], results: Path | None) -> None:
     )
 
 
+def test_warm_up_hands_each_modality_back(full: dict[str, Path], results: Path | None) -> None:
+    """The warm-up hands each modality's batch back to the driver before the next modality's runs,
+    so the boot peaks at the costliest batch rather than near their sum: the allocator holds no more
+    when each modality starts than it held before the first."""
+    engine = _engine(full["w4"], graph_max_tokens=0)
+    gc.collect()
+    torch.cuda.empty_cache()
+    held: list[tuple[str, int]] = []  # (modality, the allocator's reserved bytes as its batch starts)
+    fit = engine._fit
+
+    def recording(one: Any, n: int) -> int:
+        torch.cuda.synchronize()
+        held.append((one.modality, torch.cuda.memory_reserved()))
+        return fit(one, n)
+
+    engine._fit = recording  # type: ignore[method-assign]
+    limits = engine.warm_up(64, 16384)
+    start = held[0][1]
+    record(results, "gpu_warm_up_hands_back", {"limits": limits, "reserved_at_each_start": held})
+    assert sorted(m for m, _ in held) == sorted(engine.modalities), held
+    for modality, reserved in held[1:]:
+        assert reserved - start <= 32 << 20, (
+            f"{modality}'s warm-up batch started with {(reserved - start) / 2**20:.0f} MiB of the "
+            "modalities before it still cached"
+        )
+
+
 def test_tower_graphs_match_eager_towers(full: dict[str, Path], results: Path | None) -> None:
     """CUDA graphs over the vision and audio towers (tower_graphs.py) against the same engine with
     eager towers, packed weights: media items at small batches, where the towers are launch-bound.
