@@ -53,11 +53,9 @@ STARTUP_AUDIO_TOKENS = 1024 // 4
 # What a captured graph holds outside its activations (the instantiated graph's kernel nodes): ~4 MiB
 # on the H200 (2026-12-01, benchmarks/probe_boot.py: the text-only server's one start-up graph added
 # 180 MiB, the full start-up set of 18 graphs 246 MiB: 66 MiB for 17 graphs whose activations the
-# first one's blocks held). The pool counts it per graph, and its minimum holds the start-up set's:
-# engine.STARTUP_TEXT_BUCKETS and one per tower (this module imports no torch, so a test holds the count
-# equal to that list).
+# first one's blocks held). The pool counts it per graph, and its minimum holds the start-up set's
+# (Footprint.startup_graphs).
 GRAPH_EXECUTABLE = 4 * MIB
-STARTUP_GRAPHS = 18
 
 
 class BudgetTooSmall(ValueError):
@@ -132,6 +130,9 @@ class Footprint:
     costs: ActivationCosts
     modalities: frozenset[str]
     max_text_tokens: int
+    # The graphs the engine captures at boot for these modalities (engine.startup_graph_count): the
+    # minimum pool holds their executables.
+    startup_graphs: int
     max_batch_tokens: int | None = None  # the operator's cap on one batch, over the plan's limits
 
 
@@ -181,7 +182,7 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
     eager = _largest_item(costs, modalities, need.max_text_tokens)
     host_table, weights = False, need.weights
     working = budget - need.base - weights - need.fixed
-    if working < eager + _minimum_pool(costs, modalities) and need.table:
+    if working < eager + _minimum_pool(costs, modalities, need.startup_graphs) and need.table:
         host_table, weights = True, weights - need.table
         working += need.table
     if working < eager:
@@ -221,12 +222,12 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
     )
 
 
-def _minimum_pool(costs: ActivationCosts, modalities: frozenset[str]) -> int:
+def _minimum_pool(costs: ActivationCosts, modalities: frozenset[str], graphs: int) -> int:
     """The start-up set: the largest start-up bucket's activations of each kind (a graph reuses the
-    blocks of its own kind only: graphs.GraphPool) and every start-up graph's executable."""
+    blocks of its own kind only: graphs.GraphPool) and each of its `graphs` executables."""
     vision = MIN_GRAPH_VISION_SLOTS * costs.vision_slot if modalities & {"image", "video"} else 0
     audio = STARTUP_AUDIO_TOKENS * costs.batch_token("audio") if "audio" in modalities else 0
-    return MIN_GRAPH_TEXT_TOKENS * costs.text_token + vision + audio + STARTUP_GRAPHS * GRAPH_EXECUTABLE
+    return MIN_GRAPH_TEXT_TOKENS * costs.text_token + vision + audio + graphs * GRAPH_EXECUTABLE
 
 
 def _largest_item(costs: ActivationCosts, modalities: frozenset[str], max_text_tokens: int) -> int:
@@ -256,6 +257,6 @@ def default_budget(need: Footprint) -> int:
         - need.table
         + need.fixed
         + eager
-        + _minimum_pool(need.costs, need.modalities)
+        + _minimum_pool(need.costs, need.modalities, need.startup_graphs)
     )
     return max(least, DEFAULT_MEDIA_BUDGET if need.modalities - {"text"} else 0)

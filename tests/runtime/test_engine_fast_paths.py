@@ -20,12 +20,18 @@ import torch
 
 from eg2_runtime import graphs as graphs_module
 from eg2_runtime import samples
-from eg2_runtime.engine import STARTUP_TEXT_BUCKETS, Engine, EngineOptions
+from eg2_runtime.engine import (
+    STARTUP_TEXT_BUCKETS,
+    STARTUP_TOKEN_BUCKETS,
+    Engine,
+    EngineOptions,
+    startup_graph_count,
+)
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, OVERDRAFT, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
-from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_AUDIO_TOKENS, STARTUP_GRAPHS
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_AUDIO_TOKENS
 from eg2_runtime.model import pool
 from eg2_runtime.packed_graphs import PackedTextGraphs
 from eg2_runtime.tower_graphs import FRAME_LADDER, FRAMES_PER_TOKEN
@@ -220,9 +226,14 @@ def test_a_start_up_bucket_dropped_for_what_it_measured_is_refused_not_deferred(
 
 
 def test_the_memory_plan_counts_the_start_up_graphs_the_engine_captures() -> None:
-    """memory_plan.STARTUP_GRAPHS (torch-free) restates the start-up set's size: its text buckets and
-    one graph per tower."""
-    assert len(STARTUP_TEXT_BUCKETS) + 2 == STARTUP_GRAPHS
+    """The minimum pool holds the executables of the graphs capture_graphs takes for the modalities
+    served: the text path's start-up buckets, and a tower's graph only where that tower starts one
+    (video frames take theirs on first use)."""
+    packed, padded = len(STARTUP_TOKEN_BUCKETS), len(STARTUP_TEXT_BUCKETS)
+    assert startup_graph_count({"text"}, packed_text=True) == packed
+    assert startup_graph_count({"text", "video"}, packed_text=True) == packed
+    assert startup_graph_count({"text", "image", "audio", "video"}, packed_text=False) == padded + 2
+    assert startup_graph_count({"text", "audio"}, packed_text=True) == packed + 1
     assert FRAME_LADDER[3] // FRAMES_PER_TOKEN == STARTUP_AUDIO_TOKENS, "the audio start-up bucket"
 
 

@@ -31,7 +31,15 @@ def footprint(modalities: frozenset[str] = ALL, **kw: int | None) -> Footprint:
     engine's stack limit, and the libraries), 774 MiB of hybrid-w4 weights of which 256 MiB are the
     token table (text alone: 517 MiB)."""
     weights = 774 * MIB if modalities - {"text"} else 517 * MIB
-    args: dict = {"base": 574 * MIB, "weights": weights, "table": 256 * MIB, "fixed": 40 * MIB}
+    # The packed text path's 14 start-up buckets, and the image and the clip graphs with the towers.
+    graphs = 16 if modalities & {"image", "audio"} else 14
+    args: dict = {
+        "base": 574 * MIB,
+        "weights": weights,
+        "table": 256 * MIB,
+        "fixed": 40 * MIB,
+        "startup_graphs": graphs,
+    }
     args |= kw
     return Footprint(costs=COSTS, modalities=modalities, max_text_tokens=8192, **args)
 
