@@ -34,6 +34,15 @@ class SubsampleLayer(nn.Module):
         return x, mask[:, ::2]
 
 
+# The log-mel frames one pass of the two convolutions takes. The first one's output (C0 channels at
+# half the frames and bins) and its LayerNorm's copy are most of the tower's activations, ~25 kB a
+# frame in BF16 (H200, 2026-12-03, benchmarks/probe_live_sets.py: 8 clips of 1,024 frames held
+# 200 MiB there and nothing else at the step's peak), so a batch goes through them a few clips at a
+# time: one 30 s clip (3,001 frames) at most. Each clip's convolutions are its own, so the passes
+# give what one pass over the batch gives.
+FRONT_FRAMES = 3072
+
+
 class SubsampleConvProjection(nn.Module):
     def __init__(self, cfg: AudioConfig) -> None:
         super().__init__()
@@ -42,14 +51,27 @@ class SubsampleConvProjection(nn.Module):
         self.layer1 = SubsampleLayer(c0, c1, cfg.rms_norm_eps)
         # The reference sizes this from c0 // 4 (it equals bins / 4 for the 128-bin, c0=128 model).
         self.input_proj_linear = nn.Linear((c0 // 4) * c1, cfg.hidden_size, bias=False)
+        self.frames_per_pass = FRONT_FRAMES  # unbounded: the whole batch in one pass, the reference
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, F, bins), (B, F) -> (B, T, A), (B, T)."""
-        x, mask = self.layer0(features[:, None], mask)
-        x, mask = self.layer1(x, mask)
-        b, _, t, _ = x.shape
+        b, f, _ = features.shape
+        clips = max(1, self.frames_per_pass // f)  # per pass of the convolutions
+        if b <= clips:
+            x, mask = self._convolve(features, mask)
+        else:
+            passes = [
+                self._convolve(features[i : i + clips], mask[i : i + clips]) for i in range(0, b, clips)
+            ]
+            x, mask = torch.cat([x for x, _ in passes]), torch.cat([m for _, m in passes])
+        _, _, t, _ = x.shape
         x = x.permute(0, 2, 3, 1).reshape(b, t, -1)  # frequency-major flatten: index = f * C + c
         return self.input_proj_linear(x), mask
+
+    def _convolve(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(b, F, bins), (b, F) -> (b, C1, T, bins / 4), (b, T)."""
+        x, mask = self.layer0(features[:, None], mask)
+        return self.layer1(x, mask)
 
 
 class FeedForward(nn.Module):
