@@ -82,7 +82,7 @@ def main() -> None:
 
             out[f"image {n}x{s}"] = traced(image)
             print(f"image {n}x{s}", json.dumps(out[f"image {n}x{s}"]), flush=True)
-        for n, f in ((1, 1024), (8, 1024)):
+        for n, f in ((1, 1024), (8, 1024), (16, 1024), (4, 3072)):
             assert model.audio_tower is not None
             bins = model.audio_tower.cfg.subsampling_conv_channels[0]  # as tower_graphs sizes them
             feats = torch.zeros(n, f, bins, dtype=model.dtype, device="cuda")
