@@ -17,7 +17,6 @@ from torch import nn
 
 from eg2_runtime.config import AudioConfig
 from eg2_runtime.layers import ClippableLinear, RMSNorm
-from eg2_runtime.memory_plan import AUDIO_FRONT_FRAMES
 
 
 class SubsampleLayer(nn.Module):
@@ -35,14 +34,13 @@ class SubsampleLayer(nn.Module):
         return x, mask[:, ::2]
 
 
-# The log-mel frames one pass of the two convolutions takes (memory_plan.AUDIO_FRONT_FRAMES, which
-# the plan's costs count). The first one's output (C0 channels at half the frames and bins) and its
-# LayerNorm's copy are most of the tower's activations, ~25 kB a frame in BF16 (H200, 2026-12-03,
-# benchmarks/probe_live_sets.py: 8 clips of 1,024 frames held 200 MiB there and nothing else at the
-# step's peak; 77 MiB in passes), so a batch goes through them a few clips at a time: one 30 s clip
-# (3,001 frames) at most. Each clip's convolutions are its own, so the passes give what one pass over
-# the batch gives.
-FRONT_FRAMES = AUDIO_FRONT_FRAMES
+# The log-mel frames one pass of the two convolutions takes. The first one's output (C0 channels at
+# half the frames and bins) and its LayerNorm's copy are most of the tower's activations, ~25 kB a
+# frame in BF16 (H200, 2026-12-03, benchmarks/probe_live_sets.py: 8 clips of 1,024 frames held
+# 200 MiB there and nothing else at the step's peak), so a batch goes through them a few clips at a
+# time: one 30 s clip (3,001 frames) at most. Each clip's convolutions are its own, so the passes
+# give what one pass over the batch gives.
+FRONT_FRAMES = 3072
 
 
 class SubsampleConvProjection(nn.Module):

@@ -242,7 +242,7 @@ class Engine:
                 tower_slots=self.plan.tower_slots,
                 pool=pool,
                 slot_bytes=costs.vision_slot,
-                audio_bytes=costs.audio_clips,
+                audio_token_bytes=costs.batch_token("audio"),
             )
         log.info("GPU memory plan: %s", self.plan.describe())
 

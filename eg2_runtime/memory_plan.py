@@ -50,9 +50,6 @@ MIN_GRAPH_VISION_SLOTS = 280 * 9
 # The audio tower's start-up graph: one clip of up to ~10 s (tower_graphs.FRAME_LADDER[3] log-mel
 # frames, 4 a soft token; a test holds them equal).
 STARTUP_AUDIO_TOKENS = 1024 // 4
-# The log-mel frames one pass of the audio tower's subsampling convolutions takes (audio.py): one 30 s
-# clip's 3,001 frames, several shorter clips.
-AUDIO_FRONT_FRAMES = 3072
 # What a captured graph holds outside its activations (the instantiated graph's kernel nodes): ~4 MiB
 # on the H200 (2026-12-01, benchmarks/probe_boot.py: the text-only server's one start-up graph added
 # 180 MiB, the full start-up set of 18 graphs 246 MiB: 66 MiB for 17 graphs whose activations the
@@ -73,8 +70,7 @@ class ActivationCosts:
     vision_slot: int  # per patch slot through the vision tower
     vision_input: int  # per patch slot of a batch's pixels on the device (uint8 codes)
     slots_per_token: int  # patch slots per image soft token (pooling kernel squared)
-    audio_token: int  # per audio soft token (4 log-mel frames) through the audio tower's conformer
-    audio_frame: int  # per log-mel frame in one pass of its subsampling convolutions (AUDIO_FRONT_FRAMES)
+    audio_token: int  # per audio soft token (4 log-mel frames) through the audio tower
 
     @classmethod
     def from_config(cls, config: ModelConfig, dtype_bytes: int = 2) -> ActivationCosts:
@@ -87,7 +83,7 @@ class ActivationCosts:
         attention = 4 * t.num_heads * hd + 2 * kv * hd
         text = dtype_bytes * (max(3 * t.intermediate_size, attention) + 4 * t.hidden_size)
         text += 3 * (2 * dtype_bytes * t.num_heads * min(t.head_dims) + 3 * t.sliding_window)
-        vision = vision_input = audio = frame = 0
+        vision = vision_input = audio = 0
         slots = 1
         if config.vision is not None:
             v = config.vision
@@ -95,20 +91,18 @@ class ActivationCosts:
             vision_input = 3 * v.patch_size**2  # one uint8 code per pixel value
             slots = v.pooling_kernel_size**2
         if config.audio is not None:
+            # The first subsampling conv: (C0, 2 steps, 64 bins) per soft token, its LayerNorm in
+            # fp32, beside the conformer's states.
             a = config.audio
-            # The conformer's attention in fp32: q, k, v, the key and value windows (each twice the
-            # steps it covers), the output; and two rows of the stream.
-            audio = (9 * 4 + 2 * dtype_bytes) * a.hidden_size
-            # The first subsampling convolution's output, (C0, 32 bin pairs) a frame, three times
-            # over: itself, its LayerNorm's contiguous copy, cuDNN's workspace (and a margin).
-            frame = (3 * dtype_bytes + 1) * a.subsampling_conv_channels[0] * 32
+            audio = (dtype_bytes + 4) * 2 * a.subsampling_conv_channels[
+                0
+            ] * 64 + 4 * dtype_bytes * a.hidden_size
         return cls(
             text_token=text,
             vision_slot=vision,
             vision_input=vision_input,
             slots_per_token=slots,
             audio_token=audio,
-            audio_frame=frame,
         )
 
     def batch_token(self, modality: str) -> int:
@@ -119,14 +113,6 @@ class ActivationCosts:
         return {"text": self.text_token, "image": image, "video": image, "audio": audio}.get(
             modality, max(image, audio)
         )
-
-    def audio_clips(self, clips: int, frames: int) -> int:
-        """Bytes of `clips` clips of `frames` log-mel frames each through the audio tower: the larger
-        of its conformer's states and one pass of its subsampling convolutions (whose buffers are
-        gone before the conformer runs). H200, 2026-12-03 (benchmarks/probe_live_sets.py): 25.1, 77.0
-        and 137 MiB for 1, 8 and 16 clips of 1,024 frames, 99.8 for 4 of 3,072."""
-        per_pass = min(clips, max(1, AUDIO_FRONT_FRAMES // frames)) * frames
-        return max(clips * frames // 4 * self.audio_token, per_pass * self.audio_frame)
 
     def image(self, tokens: int) -> int:
         """Bytes of one image of `tokens` soft tokens: its tower at once, then the text encoder."""
@@ -240,7 +226,7 @@ def _minimum_pool(costs: ActivationCosts, modalities: frozenset[str], graphs: in
     """The start-up set: the largest start-up bucket's activations of each kind (a graph reuses the
     blocks of its own kind only: graphs.GraphPool) and each of its `graphs` executables."""
     vision = MIN_GRAPH_VISION_SLOTS * costs.vision_slot if modalities & {"image", "video"} else 0
-    audio = costs.audio_clips(1, 4 * STARTUP_AUDIO_TOKENS) if "audio" in modalities else 0
+    audio = STARTUP_AUDIO_TOKENS * costs.batch_token("audio") if "audio" in modalities else 0
     return MIN_GRAPH_TEXT_TOKENS * costs.text_token + vision + audio + graphs * GRAPH_EXECUTABLE
 
 
@@ -251,10 +237,7 @@ def _largest_item(costs: ActivationCosts, modalities: frozenset[str], max_text_t
     if modalities & {"image", "video"}:
         sizes.append(costs.image(MAX_IMAGE_TOKENS))
     if "audio" in modalities:
-        # a 30 s clip through the tower, then through the text encoder
-        sizes.append(
-            max(costs.audio_clips(1, 4 * MAX_AUDIO_TOKENS), MAX_AUDIO_TOKENS * costs.batch_token("audio"))
-        )
+        sizes.append(MAX_AUDIO_TOKENS * costs.batch_token("audio"))
     return int(EAGER_MARGIN * max(sizes))
 
 

@@ -75,14 +75,13 @@ class GraphedTowers:
         tower_slots: int,
         pool: GraphPool | None = None,
         slot_bytes: int = 0,
-        audio_bytes: Callable[[int, int], int] | None = None,
+        audio_token_bytes: int = 0,
         capture: bool = True,
     ) -> None:
         self.model = model
         self.vision_slots, self.audio_tokens, self.tower_slots = vision_slots, audio_tokens, tower_slots
-        # What a bucket is estimated to add to the pool: per patch slot; for (clips, frames each)
-        # (ActivationCosts.audio_clips).
-        self.slot_bytes, self.audio_bytes = slot_bytes, audio_bytes
+        # What a bucket is estimated to add to the pool: per patch slot, per audio soft token.
+        self.slot_bytes, self.audio_token_bytes = slot_bytes, audio_token_bytes
         device = model.language_model.embedding_projection.weight.device
         self.capture = capture and device.type == "cuda"
         self.unpacker = model.unpacker  # on packed towers: its side-stream unpacks join the graphs
@@ -272,10 +271,9 @@ class GraphedTowers:
         follow refused it. Without `capture`, the padded step runs eagerly each time, admitted as its
         graph would be."""
         kind, n, size = key
-        if kind == "image":
-            estimate = n * size * self.slot_bytes
-        else:
-            estimate = self.audio_bytes(n, size) if self.audio_bytes is not None else 0
+        estimate = (
+            n * size * (self.slot_bytes if kind == "image" else self.audio_token_bytes // FRAMES_PER_TOKEN)
+        )
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
         got = self.pool.capture(step, buffers, estimate, around, run=self.capture, then=then, kind=kind)

@@ -161,9 +161,7 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engin
     )
     clips = [Item((MediaPart("audio", samples.wav(0.3 + 0.4 * i, hz=300 + 50 * i)),)) for i in range(3)]
     _, (features, mask) = _towers_and(engine, clips, "input_features", "input_features_mask")
-    audio = GraphedTowers(
-        engine.model, capture=False, pool=GraphPool(0), audio_bytes=lambda n, f: n * f * 250, **UNBOUNDED
-    )
+    audio = GraphedTowers(engine.model, capture=False, pool=GraphPool(0), audio_token_bytes=1000, **UNBOUNDED)
     with torch.inference_mode():
         _close(towers.image_soft_tokens(pixels, positions), engine.model.image_soft_tokens(pixels, positions))
         _close(audio.audio_soft_tokens(features, mask), engine.model.audio_soft_tokens(features, mask))
@@ -210,12 +208,7 @@ def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: E
     slot, token = 1 << 10, 1 << 12
     pool = GraphPool(None)
     towers = GraphedTowers(
-        engine.model,
-        capture=False,
-        pool=pool,
-        slot_bytes=slot,
-        audio_bytes=lambda n, f: n * f * token // 4,
-        **UNBOUNDED,
+        engine.model, capture=False, pool=pool, slot_bytes=slot, audio_token_bytes=token, **UNBOUNDED
     )
     towers.capture_startup(70, audio=True, then=4)
     assert set(pool.largest) == {"image", "audio"} and not towers.refused
