@@ -28,7 +28,7 @@ ITEMS = [Item((TextPart("what is the capital of france"),))]
 
 async def run(requests: int, clients: int) -> tuple[float, float]:
     """(CPU seconds per request, requests/s) of `requests` single-text embeds, after an untimed tenth."""
-    engine = FakeEngine()
+    engine = FakeEngine(record=False)
     service = Service(Settings(), Metrics(), engine)
     service.start()
     while service.state is not State.READY:
