@@ -284,7 +284,8 @@ def attention_kind(
         chosen = {SLIDING: "flex", FULL: "flex", kind: backend}
 
         def call(chosen: dict[str, str] = chosen, block: int = block) -> torch.Tensor:
-            return PackedAttention(packing, cfg, chosen, block_size=block)(kind, q, k, v)
+            # a copy of q: past QUERY_ROWS tokens the efficient kernel writes its output over q
+            return PackedAttention(packing, cfg, chosen, block_size=block)(kind, q.clone(), k, v)
 
         name = backend if block == 128 else f"{backend} (blocks of {block})"
         run.measure("attention", label, name, lambda call=call: timed(call))  # type: ignore[misc]

@@ -51,7 +51,8 @@ class SubsampleConvProjection(nn.Module):
         self.layer1 = SubsampleLayer(c0, c1, cfg.rms_norm_eps)
         # The reference sizes this from c0 // 4 (it equals bins / 4 for the 128-bin, c0=128 model).
         self.input_proj_linear = nn.Linear((c0 // 4) * c1, cfg.hidden_size, bias=False)
-        self.frames_per_pass = FRONT_FRAMES  # unbounded: the whole batch in one pass, the reference
+        # A bound past any batch (tests/runtime/test_audio_front.py) runs the reference: one pass.
+        self.frames_per_pass = FRONT_FRAMES
 
     def forward(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, F, bins), (B, F) -> (B, T, A), (B, T)."""

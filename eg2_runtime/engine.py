@@ -79,7 +79,7 @@ STATIC_BUFFERS = 24 * MIB
 # texts. With one graph per tower, startup_graph_count counts them for the memory plan.
 STARTUP_TEXT_BUCKETS = (*((1, t) for t in LENGTH_LADDER if t <= 512), *((b, 64) for b in (8, 32, 64)))
 # The same for the packed text graphs (`packed_text`): every token bucket up to 64 texts of 64 tokens
-# but the in-between long rungs, which keep the start-up set to the size memory_plan counts.
+# but the in-between long rungs, which are left to first use.
 STARTUP_TOKEN_BUCKETS = tuple(n for n in TOKEN_LADDER if n <= MIN_GRAPH_TEXT_TOKENS and n not in FIRST_USE)
 
 
@@ -90,10 +90,18 @@ def startup_tower_graphs(modalities: Iterable[str]) -> int:
     return int("image" in served) + int("audio" in served)
 
 
-def startup_graph_count(modalities: Iterable[str], packed_text: bool) -> int:
-    """How many graphs capture_graphs takes at boot: its text buckets and the towers'."""
-    text = STARTUP_TOKEN_BUCKETS if packed_text else STARTUP_TEXT_BUCKETS
-    return len(text) + startup_tower_graphs(modalities)
+def startup_graph_count(
+    modalities: Iterable[str], packed_text: bool, max_tokens: int = 1 << 62, towers: bool = True
+) -> int:
+    """How many graphs capture_graphs tries at boot: its text buckets within `max_tokens` (none when
+    0: graphs off) and, with `towers`, the towers'. The pool's budget may refuse some of them."""
+    if max_tokens <= 0:
+        return 0
+    if packed_text:
+        text = [n for n in STARTUP_TOKEN_BUCKETS if n <= max_tokens]
+    else:
+        text = [(b, t) for b, t in STARTUP_TEXT_BUCKETS if b * t <= max_tokens]
+    return len(text) + (startup_tower_graphs(modalities) if towers else 0)
 
 
 # torch's CPU threads for the model's own CPU ops, read at import (on the importing thread, before any
@@ -272,7 +280,12 @@ class Engine:
             costs=ActivationCosts.from_config(cfg, self.model.dtype.itemsize),
             modalities=self.modalities,
             max_text_tokens=self.max_text_tokens,
-            startup_graphs=startup_graph_count(self.modalities, self.packs_text),
+            startup_graphs=startup_graph_count(
+                self.modalities,
+                self.packs_text,
+                self.options.graph_max_tokens,
+                towers=self.options.tower_graphs,
+            ),
             max_batch_tokens=self.options.max_forward_tokens,
         )
         budget = self.options.gpu_memory_budget

@@ -49,13 +49,12 @@ FLASH_MAX_HEAD_DIM = 256
 # peak (24 kB a token, H200, benchmarks/probe_costs.py). At or below it, one call: at 1,024 the
 # 2,200-token document's batch took 8.84 ms against 7.50 in one call (docs/PERF.md), so every
 # start-up bucket (up to memory_plan.MIN_GRAPH_TEXT_TOKENS) runs as before and only longer batches
-# are cut. text.MLP_ROWS is the same number, for the same reason. Past it the chunks are half as
-# long (QUERY_CHUNK: 2,048 tokens, 8,192 query rows with the heads folded, still more thread blocks
-# than the H200 has SMs), and each chunk's output overwrites its own rows of q, which no other chunk
-# reads: an 8,192-token forward's peak went from 176 MiB (a 32 MiB output beside q, 48 MiB a chunk)
-# to ~120 (H200, 2026-12-03, benchmarks/probe_live_sets.py).
+# are cut. text.MLP_ROWS is the same number, for the same reason. Each chunk's output overwrites its
+# own rows of q, which no other chunk reads: an 8,192-token forward no longer holds a whole output
+# beside q (32 MiB; its allocator peak 176 MiB, H200, 2026-12-03, benchmarks/probe_live_sets.py; 144
+# measured with 2,048-token chunks, where the merged q, k, v product beside q, k and v is the peak,
+# which 4,096-token chunks reach too).
 QUERY_ROWS = MIN_GRAPH_TEXT_TOKENS
-QUERY_CHUNK = QUERY_ROWS // 2
 
 # FlexAttention tile sizes by (dtype, head_dim); inductor's defaults elsewhere. At 512 in BF16 a
 # 64-row query tile is 64 KiB and each 32-row key or value tile 32 KiB, so two pipeline stages fit
@@ -249,12 +248,7 @@ def _flash(
 
 
 def _efficient(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    packing: Packing,
-    rows: int = QUERY_ROWS,
-    chunk: int = QUERY_CHUNK,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, rows: int = QUERY_ROWS
 ) -> torch.Tensor:
     """The kernel takes as many kv heads as query heads. With one kv head (the full layers), a token's
     query heads are rather folded into its item's query rows: (N, nh, hd) viewed as (N nh, 1, hd),
@@ -262,7 +256,7 @@ def _efficient(
     its mask, and each query row's softmax runs over the same keys, so nothing is copied or repeated
     (_efficient_repeated, the general path, copies k and v nh times: 8 kB a token in BF16 at head_dim 512).
 
-    Past `rows` tokens the queries go `chunk` at a time, each call against every key: the kernel's
+    Past `rows` tokens the queries go `rows` at a time, each call against every key: the kernel's
     FP32 accumulator (past head_dim 128: 8 kB a token here) then lives for one chunk, not the batch,
     and the chunk's output overwrites its rows of q (**q is the output then**: callers drop q after).
     A chunk's items are the packing's items cut to it (cu_seqlens clamped to the chunk; items outside
@@ -274,8 +268,8 @@ def _efficient(
     cu, longest = packing.cu_seqlens, packing.max_len
     if n <= rows:
         return _folded(q, k, v, cu * heads, cu, longest * heads, longest)
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
         cu_q = (cu.clamp(start, stop) - start) * heads
         longest_q = min(stop - start, longest) * heads
         q[start:stop] = _folded(q[start:stop], k, v, cu_q, cu, longest_q, longest)

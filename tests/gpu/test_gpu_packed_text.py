@@ -228,7 +228,7 @@ def test_folded_query_heads_match_repeated_kv(results: Path | None, dtype: torch
     k, v = (torch.randn(n, 1, hd, generator=g, device=DEVICE).to(dtype) for _ in range(2))
     with torch.no_grad():
         repeated = _efficient_repeated(q, k, v, packing)
-        folded = _efficient(q.clone(), k, v, packing, rows=rows, chunk=rows)
+        folded = _efficient(q.clone(), k, v, packing, rows)
     diff = float((folded.float() - repeated.float()).abs().max())
     name = f"folded_query_heads_{dtype}_{rows}".replace("torch.", "")
     record(results, name, {"max_abs_diff": diff})

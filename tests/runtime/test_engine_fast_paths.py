@@ -234,6 +234,10 @@ def test_the_memory_plan_counts_the_start_up_graphs_the_engine_captures() -> Non
     assert startup_graph_count({"text", "video"}, packed_text=True) == packed
     assert startup_graph_count({"text", "image", "audio", "video"}, packed_text=False) == padded + 2
     assert startup_graph_count({"text", "audio"}, packed_text=True) == packed + 1
+    assert startup_graph_count({"text", "image"}, packed_text=True, towers=False) == packed
+    assert startup_graph_count({"text", "image"}, packed_text=True, max_tokens=0) == 0, "graphs off"
+    small = sum(n <= 512 for n in STARTUP_TOKEN_BUCKETS)
+    assert startup_graph_count({"text"}, packed_text=True, max_tokens=512) == small
     assert FRAME_LADDER[3] // FRAMES_PER_TOKEN == STARTUP_AUDIO_TOKENS, "the audio start-up bucket"
 
 

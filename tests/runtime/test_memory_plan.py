@@ -31,8 +31,8 @@ def footprint(modalities: frozenset[str] = ALL, **kw: int | None) -> Footprint:
     engine's stack limit, and the libraries), 774 MiB of hybrid-w4 weights of which 256 MiB are the
     token table (text alone: 517 MiB)."""
     weights = 774 * MIB if modalities - {"text"} else 517 * MIB
-    # The packed text path's 14 start-up buckets, and the image and the clip graphs with the towers.
-    graphs = 16 if modalities & {"image", "audio"} else 14
+    # The packed text path's 14 start-up buckets, one image graph and one clip graph where served.
+    graphs = 14 + len(modalities & {"image", "audio"})
     args: dict = {
         "base": 574 * MIB,
         "weights": weights,
