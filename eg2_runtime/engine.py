@@ -576,7 +576,7 @@ class Engine:
         # /ready and lost the 4-clip bucket (H200, 2026-12-03, docs/PERF.md). Each leaves room for
         # the executables of those after it, a query's small bucket must not lose to the largest,
         # and one passed over for that room is tried again on first use.
-        small = [k for k in startup if text.tokens(k) < 2048]
+        small = [k for k in startup if text.tokens(k) < 2048 and text.admissible(k)]
         towers = self.towers
         image, audio = "image" in self.modalities, "audio" in self.modalities
         tower_graphs = startup_tower_graphs(self.modalities) if towers is not None else 0

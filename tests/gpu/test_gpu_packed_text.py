@@ -51,6 +51,8 @@ LAYOUTS = {
     "1 doc of 2200": [2200],
     "windows and edges": [1, 17, 512, 513, 1025, 1600, 3],
     "32 of 1-5 tokens": _lengths(32, 1, 5, 1),
+    # Past QUERY_ROWS (4,096): the full layers' queries go in chunks written over q.
+    "past one attention chunk": [5000, 700],
 }
 
 
@@ -172,15 +174,17 @@ def _capture(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, to
     return graph, out
 
 
+# 5,120 tokens: a bucket past QUERY_ROWS, whose full layers chunk their queries inside the graph.
+@pytest.mark.parametrize("tokens", [4096, 5120])
 @pytest.mark.parametrize("name", ["flash+efficient"])  # the served kernels (packed_attention.CUDA_BACKENDS)
 def test_packed_forward_replays_in_a_cuda_graph(
-    models: dict[torch.dtype, EG2Model], results: Path | None, name: str
+    models: dict[torch.dtype, EG2Model], results: Path | None, name: str, tokens: int
 ) -> None:
-    """One bucket (4096 tokens, 72 items), captured once; two different layouts copied into its
+    """One bucket (`tokens`, 72 items), captured once; two different layouts copied into its
     packing replay to what an eager run of each layout gives."""
     model = models[torch.bfloat16]
     encoder, backends = model.language_model, BACKENDS[name]
-    tokens, items = 4096, 72
+    items = 72
     static = Packing.from_lengths([tokens], DEVICE, tokens=tokens, items=items, max_len=tokens)
     x = torch.zeros(tokens, encoder.cfg.hidden_size, dtype=torch.bfloat16, device=DEVICE)
 
@@ -206,7 +210,7 @@ def test_packed_forward_replays_in_a_cuda_graph(
                 "replay_vs_eager_min": min(cosines(replayed, eager)),
                 "replays_equal": bool(torch.equal(replayed, again)),
             }
-    record(results, f"gpu_packed_text_graph_{name.replace('+', '_')}", figures)
+    record(results, f"gpu_packed_text_graph_{name.replace('+', '_')}_{tokens}", figures)
     bad = {k: v for k, v in figures.items() if v["replay_vs_eager_min"] < 1 - 1e-5 or not v["replays_equal"]}
     assert not bad, f"{name}: the graph changes the result: {figures}"
 

@@ -238,6 +238,10 @@ def test_the_memory_plan_counts_the_start_up_graphs_the_engine_captures() -> Non
     assert startup_graph_count({"text", "image"}, packed_text=True, max_tokens=0) == 0, "graphs off"
     small = sum(n <= 512 for n in STARTUP_TOKEN_BUCKETS)
     assert startup_graph_count({"text"}, packed_text=True, max_tokens=512) == small
+    # The padded buckets are bounded by rows x length, not by length alone.
+    padded_small = sum(b * t <= 512 for b, t in STARTUP_TEXT_BUCKETS)
+    assert padded_small < sum(t <= 512 for _, t in STARTUP_TEXT_BUCKETS)
+    assert startup_graph_count({"text"}, packed_text=False, max_tokens=512) == padded_small
     assert FRAME_LADDER[3] // FRAMES_PER_TOKEN == STARTUP_AUDIO_TOKENS, "the audio start-up bucket"
 
 
