@@ -44,9 +44,13 @@ T = TypeVar("T")
 router = APIRouter()
 
 
+def service_of(request: Request) -> Service:
+    return cast(Service, request.app.state.service)
+
+
 async def get_service(request: Request) -> Service:
     # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop per request.
-    return cast(Service, request.app.state.service)
+    return service_of(request)
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]
@@ -128,7 +132,10 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
     summary="Embed text, images, audio and video",
 )
 @router.post("/embeddings", response_model=EmbeddingResponse, include_in_schema=False)
-async def create_embeddings(request: Request, service: ServiceDep) -> Response:
+async def create_embeddings(request: Request) -> Response:
+    # The service read here, not injected: FastAPI's dependency solving, per request, is a
+    # measurable share of the service's own CPU on its hot routes (docs/PERF.md).
+    service = service_of(request)
     service.check_ready()
     _check_json(request.headers.get("content-type"))
     body = parse_request(await request.body(), max_items=service.settings.max_request_items)
@@ -164,7 +171,8 @@ async def create_embeddings(request: Request, service: ServiceDep) -> Response:
     openapi_extra=_TOKENIZE_BODY,
     summary="Count each item's tokens as an embeddings request would, without running the model",
 )
-async def tokenize(request: Request, service: ServiceDep) -> TokenizeResponse:
+async def tokenize(request: Request) -> TokenizeResponse:
+    service = service_of(request)
     service.check_ready()
     _check_json(request.headers.get("content-type"))
     body = parse_body(await request.body(), TokenizeRequest, max_items=service.settings.max_request_items)
