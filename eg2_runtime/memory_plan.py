@@ -224,7 +224,10 @@ def plan(budget: int, need: Footprint) -> MemoryPlan:
 
 def _minimum_pool(costs: ActivationCosts, modalities: frozenset[str], graphs: int) -> int:
     """The start-up set: the largest start-up bucket's activations of each kind (a graph reuses the
-    blocks of its own kind only: graphs.GraphPool) and each of its `graphs` executables."""
+    blocks of its own kind only: graphs.GraphPool) and each of its `graphs` executables. None with
+    graphs off (no start-up graphs: no graph is ever captured)."""
+    if graphs == 0:
+        return 0
     vision = MIN_GRAPH_VISION_SLOTS * costs.vision_slot if modalities & {"image", "video"} else 0
     audio = STARTUP_AUDIO_TOKENS * costs.batch_token("audio") if "audio" in modalities else 0
     return MIN_GRAPH_TEXT_TOKENS * costs.text_token + vision + audio + graphs * GRAPH_EXECUTABLE

@@ -106,6 +106,15 @@ def test_text_only_loads_no_tower_limits_and_a_leaner_default() -> None:
     assert p.eager == int(EAGER_MARGIN * 8192 * COSTS.text_token)
 
 
+def test_graphs_off_keep_no_pool_in_the_default_budget() -> None:
+    """With CUDA graphs off (no start-up graphs) the leanest default holds no graph pool: the
+    text-only budget shrinks by the start-up set's activations and executables."""
+    on, off = footprint(frozenset({"text"})), footprint(frozenset({"text"}), startup_graphs=0)
+    assert default_budget(on) - default_budget(off) >= MIN_GRAPH_TEXT_TOKENS * COSTS.text_token
+    p = plan(default_budget(off), off)
+    assert p.host_token_table and p.graph_pool == 0
+
+
 def test_the_operators_batch_cap_bounds_every_modality() -> None:
     p = plan(2000 * MIB, footprint(max_batch_tokens=1000))
     assert max(p.max_batch_tokens.values()) == 1000
