@@ -16,6 +16,9 @@ Writes boot-<tag>.json into DIR.
 `_record_memory_history`) and writes, beside the phases, the live set at the warm-up's allocator peak
 grouped by the innermost eg2_runtime frame that allocated it (what a long batch holds at once), and
 after each phase the memory outside the allocator (NVML less reserved) and the CUDA stack limit.
+
+At /ready it also counts cuBLAS's workspaces (`cublas_workspaces`: the allocator's live blocks of the
+workspace's exact size, by stream). Set CUBLAS_WORKSPACE_CONFIG in the environment to try another size.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import collections
 import ctypes
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -127,6 +131,31 @@ def stack_limit() -> int | None:
     return value.value
 
 
+def workspace_bytes() -> int:
+    """cuBLAS's workspace size as torch picks it: CUBLAS_WORKSPACE_CONFIG's `:KiB:COUNT` terms summed,
+    else 32 MiB on compute capability 9.x (the H200) and 8 MiB + 2 MiB elsewhere."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if config:
+        terms = re.findall(r":(\d+):(\d+)", config)
+        if terms:
+            return sum(int(kib) * 1024 * int(count) for kib, count in terms)
+    major = torch.cuda.get_device_capability()[0]
+    return 4096 * 8 * 1024 if major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def cublas_workspaces() -> dict[str, Any]:
+    """The caching allocator's live blocks asked for at exactly cuBLAS's workspace size, by stream:
+    torch keeps one per (thread's cuBLAS handle, stream) that ran a matmul. A tensor of that very size
+    would count too, so the streams say which is which."""
+    size = workspace_bytes()
+    by_stream: collections.Counter[str] = collections.Counter()
+    for segment in torch.cuda.memory_snapshot():
+        for block in segment.get("blocks", ()):
+            if block.get("state") == "active_allocated" and block.get("requested_size") == size:
+                by_stream[f"stream {segment.get('stream')} pool {segment.get('segment_pool_id')}"] += 1
+    return {"bytes": size, "blocks": dict(by_stream)}
+
+
 def peak_live_set(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
     """Replays the allocator's trace: the most bytes its traced blocks held at once, and those blocks
     grouped by the innermost eg2_runtime frame that allocated them (blocks from before the recording
@@ -226,6 +255,10 @@ def main() -> None:
         "used_mib": pool.used / MIB if pool else None,
     }
     out["ready_mib"] = nvml()
+    try:
+        out["cublas_workspaces"] = cublas_workspaces()
+    except Exception as e:  # a probe of torch's snapshot format: never the reason a run is lost
+        out["cublas_workspaces"] = f"{type(e).__name__}: {e}"
     if args.history:
         outside["ready"] = (nvml() - torch.cuda.memory_reserved() / MIB, stack_limit())
         out["outside_allocator_mib_and_stack"] = outside
