@@ -99,7 +99,9 @@ class Settings(BaseSettings):
         description="CUDA graphs for the text encoder, for batches up to this many tokens (packed: the "
         "items' tokens end to end; padded: items x longest), and at most what the GPU memory budget's "
         "graph pool holds; 0 turns them off. Short inputs run up to 10x faster (1 query: 3.5 vs 41 ms "
-        "on the H200; launches are most of their cost). A larger batch runs as several replays. GPU only.",
+        "on the H200; launches are most of their cost). A larger batch runs as several replays. With 0, the "
+        "text-only default budget keeps no graph pool (it shrinks by the start-up set's 218 MiB, by the "
+        "plan's arithmetic), for every short request's launch cost. GPU only.",
     )
     engine_cpu_threads: int | None = Field(
         default=None,
