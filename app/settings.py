@@ -100,8 +100,8 @@ class Settings(BaseSettings):
         "items' tokens end to end; padded: items x longest), and at most what the GPU memory budget's "
         "graph pool holds; 0 turns them off. Short inputs run up to 10x faster (1 query: 3.5 vs 41 ms "
         "on the H200; launches are most of their cost). A larger batch runs as several replays. With 0, the "
-        "text-only default budget keeps no graph pool (it shrinks by the start-up set's 218 MiB, by the "
-        "plan's arithmetic), for every short request's launch cost. GPU only.",
+        "text-only default budget keeps no graph pool (218 MiB less, by the memory plan's arithmetic) and "
+        "every short request pays for its kernel launches. GPU only.",
     )
     engine_cpu_threads: int | None = Field(
         default=None,
