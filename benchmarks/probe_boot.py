@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import json
 import os
 import re
@@ -39,11 +38,11 @@ import torch
 from app.service import GPU_BATCH_TOKENS
 from benchmarks import workloads
 from benchmarks.process_memory import PeakSampler
-from benchmarks.workloads import DEFAULT_CACHE, Factory, Input, checkpoints
+from benchmarks.workloads import CHECKPOINT_KINDS, Factory, Input, full_checkpoint
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EngineOutOfMemory
-from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, cudart
+from eg2_runtime.gpu_memory import cuda_stack_limit
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import MIB
 
@@ -123,14 +122,6 @@ def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, An
 ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
 
 
-def stack_limit() -> int | None:
-    """The CUDA context's per-thread stack bytes now (cudaDeviceGetLimit)."""
-    runtime, value = cudart(), ctypes.c_size_t(0)
-    if runtime is None or runtime.cudaDeviceGetLimit(ctypes.byref(value), CUDA_LIMIT_STACK_SIZE) != 0:
-        return None
-    return value.value
-
-
 def workspace_bytes() -> int:
     """cuBLAS's workspace size as torch picks it: CUBLAS_WORKSPACE_CONFIG's `:KiB:COUNT` terms summed,
     else 32 MiB on compute capability 9.x (the H200) and 8 MiB + 2 MiB elsewhere."""
@@ -192,7 +183,7 @@ def peak_live_set(snapshot: dict[str, Any], top: int = 40) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", choices=("w4", "bf16"), default="w4")
+    parser.add_argument("--checkpoint", choices=CHECKPOINT_KINDS, default="w4")
     parser.add_argument("--modalities", default=None)
     parser.add_argument("--budget-mib", type=int, default=None)
     parser.add_argument("--host-token-table", action="store_true")
@@ -207,23 +198,22 @@ def main() -> None:
     table = "-host-table" if args.host_token_table else ""
     padded = "-padded" if args.padded_text else ""
     tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}{padded}"
-    with checkpoints(None, DEFAULT_CACHE, "full", print) as (bf16, w4):
-        model_dir = w4 if args.checkpoint == "w4" else bf16
-        sampler = PeakSampler().start(os.getpid())  # before CUDA starts: see PeakSampler
-        phases = {"load": time.time()}
-        options = EngineOptions(
-            gpu_memory_budget=args.budget_mib * MIB if args.budget_mib else None,
-            host_token_table=True if args.host_token_table else None,
-            packed_text=not args.padded_text,
-        )
-        modalities = args.modalities.split(",") if args.modalities else None
-        engine = Engine.from_dir(model_dir, device="cuda", modalities=modalities, options=options)
+    model_dir = full_checkpoint(args.checkpoint)
+    sampler = PeakSampler().start(os.getpid())  # before CUDA starts: see PeakSampler
+    phases = {"load": time.time()}
+    options = EngineOptions(
+        gpu_memory_budget=args.budget_mib * MIB if args.budget_mib else None,
+        host_token_table=True if args.host_token_table else None,
+        packed_text=not args.padded_text,
+    )
+    modalities = args.modalities.split(",") if args.modalities else None
+    engine = Engine.from_dir(model_dir, device="cuda", modalities=modalities, options=options)
     out: dict[str, Any] = {"tag": tag, "plan": engine.plan.describe() if engine.plan else None}
     nvml = lambda: engine.memory().get("process_gpu_bytes", 0) / MIB  # noqa: E731
     out["load_mib"] = nvml()
     outside: dict[str, Any] = {}  # phase -> (NVML less the allocator's reserved MiB, stack bytes)
     if args.history:
-        outside["load"] = (nvml() - torch.cuda.memory_reserved() / MIB, stack_limit())
+        outside["load"] = (nvml() - torch.cuda.memory_reserved() / MIB, cuda_stack_limit())
         torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
     phases["warm_up"] = time.time()
     try:
@@ -235,7 +225,7 @@ def main() -> None:
         torch.cuda.synchronize()
         out["warm_up_live_set"] = peak_live_set(torch.cuda.memory._snapshot())
         torch.cuda.memory._record_memory_history(enabled=None)
-        outside["warm_up"] = (nvml() - torch.cuda.memory_reserved() / MIB, stack_limit())
+        outside["warm_up"] = (nvml() - torch.cuda.memory_reserved() / MIB, cuda_stack_limit())
     phases["capture"] = time.time()
     t0 = time.perf_counter()
     out["graphs_at_start"] = engine.capture_graphs()
@@ -260,7 +250,7 @@ def main() -> None:
     except Exception as e:  # a probe of torch's snapshot format: never the reason a run is lost
         out["cublas_workspaces"] = f"{type(e).__name__}: {e}"
     if args.history:
-        outside["ready"] = (nvml() - torch.cuda.memory_reserved() / MIB, stack_limit())
+        outside["ready"] = (nvml() - torch.cuda.memory_reserved() / MIB, cuda_stack_limit())
         out["outside_allocator_mib_and_stack"] = outside
     graphs, refused, deferred = buckets(engine)
     out["start_graphs"], out["start_refused"] = sorted(graphs), sorted(refused)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.probe_boot import peak_live_set
-from benchmarks.workloads import DEFAULT_CACHE, checkpoints
+from benchmarks.workloads import CHECKPOINT_KINDS, full_checkpoint
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.memory_plan import MIB
 from eg2_runtime.packing import Packing
@@ -51,13 +51,11 @@ def traced(fn: Callable[[], object]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", choices=("w4", "bf16"), default="w4")
+    parser.add_argument("--checkpoint", choices=CHECKPOINT_KINDS, default="w4")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    with checkpoints(None, DEFAULT_CACHE, "full", print) as (bf16, w4):
-        model_dir = w4 if args.checkpoint == "w4" else bf16
-        options = EngineOptions(gpu_memory_budget=UNBOUNDED, graph_max_tokens=0)
-        engine = Engine.from_dir(model_dir, device="cuda", options=options)
+    options = EngineOptions(gpu_memory_budget=UNBOUNDED, graph_max_tokens=0)
+    engine = Engine.from_dir(full_checkpoint(args.checkpoint), device="cuda", options=options)
     model, lm = engine.model, engine.model.language_model
     towers = GraphedTowers(model, vision_slots=UNBOUNDED, audio_tokens=UNBOUNDED, tower_slots=UNBOUNDED)
     around = towers.unpacker.capturing if towers.unpacker is not None else contextlib.nullcontext

@@ -14,7 +14,6 @@ Writes stack-<checkpoint>.json into DIR.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,22 +21,14 @@ from typing import Any
 
 import torch
 
-from benchmarks.workloads import DEFAULT_CACHE, checkpoints
+from benchmarks.workloads import CHECKPOINT_KINDS, full_checkpoint
 from eg2_runtime.engine import Engine
 from eg2_runtime.fused import use_fused_kernels
-from eg2_runtime.gpu_memory import CUDA_LIMIT_STACK_SIZE, ProcessGpuMemory, cudart, set_cuda_stack_limit
+from eg2_runtime.gpu_memory import ProcessGpuMemory, cuda_stack_limit, set_cuda_stack_limit
 from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import MIB
 from eg2_runtime.packing import Packing
 from eg2_runtime.quant import PackedLinear
-
-
-def stack_limit() -> int:
-    runtime = cudart()
-    assert runtime is not None, "torch has not loaded the CUDA runtime"
-    value = ctypes.c_size_t(0)
-    runtime.cudaDeviceGetLimit(ctypes.byref(value), CUDA_LIMIT_STACK_SIZE)
-    return value.value
 
 
 def paths(model: Any) -> dict[str, Callable[[], Any]]:
@@ -76,19 +67,20 @@ def paths(model: Any) -> dict[str, Callable[[], Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--checkpoint", choices=("w4", "bf16"), default="w4")
+    parser.add_argument("--checkpoint", choices=CHECKPOINT_KINDS, default="w4")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    with checkpoints(None, DEFAULT_CACHE, "full", print) as (bf16, w4):
-        model_dir = w4 if args.checkpoint == "w4" else bf16
+    model_dir = full_checkpoint(args.checkpoint)
     gpu = ProcessGpuMemory()
 
     def outside() -> dict[str, float]:
         torch.cuda.synchronize()
         reading = gpu.read()
         process = reading.bytes / MIB if reading is not None else float("nan")
+        stack = cuda_stack_limit()
+        assert stack is not None, "torch has not loaded the CUDA runtime"
         return {
-            "stack_bytes": stack_limit(),
+            "stack_bytes": stack,
             "outside_allocator_mib": process - torch.cuda.memory_reserved() / MIB,
         }
 

@@ -336,3 +336,13 @@ def checkpoints(
     w4 = _cached(root / "w4", lambda d: _quantize(bf16, d))
     progress(f"checkpoints ready under {root}")
     yield bf16, w4
+
+
+CHECKPOINT_KINDS = ("w4", "bf16")
+
+
+def full_checkpoint(kind: str) -> Path:
+    """The full-size random-weight checkpoint the GPU probes load, hybrid-w4 ("w4") or BF16, generated
+    once under DEFAULT_CACHE (as `eg2 bench` generates it; a cached one outlives `checkpoints`)."""
+    with checkpoints(None, DEFAULT_CACHE, "full", print) as (bf16, w4):
+        return w4 if kind == "w4" else bf16

@@ -97,6 +97,16 @@ def set_cuda_stack_limit(nbytes: int) -> bool:
     return err == 0
 
 
+def cuda_stack_limit() -> int | None:
+    """The per-thread stack bytes the CUDA context reserves now (cudaDeviceGetLimit); None where the
+    CUDA runtime is not loaded or the call fails. What set_cuda_stack_limit set, or what the driver
+    grew it to since."""
+    runtime, value = cudart(), ctypes.c_size_t(0)
+    if runtime is None or runtime.cudaDeviceGetLimit(ctypes.byref(value), CUDA_LIMIT_STACK_SIZE) != 0:
+        return None
+    return value.value
+
+
 def cudart() -> ctypes.CDLL | None:
     """The CUDA runtime library torch loaded, wherever it lives; None where none is loaded."""
     with open("/proc/self/maps") as maps:
