@@ -9,10 +9,12 @@ arenas' locks could wait on each other. On the H200, 64 docs prepared in 3.4 ms 
 at most ~1.2 ms in-process (docs/PERF.md); a 2-core machine cannot show such contention.
 
 Each configuration runs in a fresh process (a thread's arena is fixed at its first allocation), the
-three alternated for --rounds rounds: glibc's defaults; the server's `tune_malloc()`; and that with the
-tokenizer's threads capped at 4 (RAYON_NUM_THREADS). Each prepares the bench's named 64 docs (20-60
-tokens) and its query with `Engine.prepare_many` on a thread of its own, at the server's GIL switch
-interval, as the server does. The tiny demo checkpoint serves by default: its tokenizer is the full
+modes alternated for --rounds rounds: glibc's defaults; the server's `tune_malloc()`; that with the
+tokenizer's threads capped at 4 (RAYON_NUM_THREADS); that with a serial tokenizer
+(TOKENIZERS_PARALLELISM=false); and `tune_malloc()` with one arena per core (MALLOC_ARENA_MAX, which
+it leaves alone). Each prepares the bench's named 64 docs (20-60 tokens), its query, and 64 docs of
+500 tokens (where a serial tokenizer would lose) with `Engine.prepare_many` on a thread of its own,
+at the server's GIL switch interval, as the server does. The tiny demo checkpoint serves by default: its tokenizer is the full
 checkpoint's stand-in. Prints each side's median and its ratio to glibc's defaults.
 """
 
@@ -29,10 +31,18 @@ import threading
 import time
 from pathlib import Path
 
-MODES = ("glibc default", "tune_malloc", "tune_malloc, 4 encode threads")
-# The last also caps the tokenizer's thread pool (Rayon's, read at its first use) at 4 threads: fewer
-# threads on the 2 arenas, for a batch too small to need 16.
-RAYON_THREADS = {"tune_malloc, 4 encode threads": "4"}
+CORES = str(len(os.sched_getaffinity(0)))
+# Each mode's environment. Rayon reads RAYON_NUM_THREADS at the tokenizer pool's first use: fewer
+# threads on the 2 arenas, for a batch too small to need 16. TOKENIZERS_PARALLELISM=false encodes a
+# batch on the calling thread. tune_malloc leaves an operator's MALLOC_ARENA_MAX alone.
+ENVIRONMENTS: dict[str, dict[str, str]] = {
+    "glibc default": {},
+    "tune_malloc": {},
+    "tune_malloc, 4 encode threads": {"RAYON_NUM_THREADS": "4"},
+    "tune_malloc, serial encode": {"TOKENIZERS_PARALLELISM": "false"},
+    "tune_malloc, arenas = cores": {"MALLOC_ARENA_MAX": CORES},
+}
+MODES = tuple(ENVIRONMENTS)
 
 
 def child(mode: str, model: str, calls_per_shape: int) -> dict[str, float]:
@@ -56,6 +66,8 @@ def child(mode: str, model: str, calls_per_shape: int) -> dict[str, float]:
             ("1 query", "short_query"),
         )
     }
+    factory = Factory(engine.preprocessor)
+    calls["64 docs of 500 tokens"] = [factory.text(500, seed=5000 + i).item() for i in range(64)]
     out: dict[str, float] = {}
 
     def run() -> None:  # on a thread of its own, as the server's preparing pool runs it
@@ -95,9 +107,7 @@ def main() -> None:
             for mode in MODES if i % 2 == 0 else MODES[::-1]:  # no mode always first
                 cmd = [sys.executable, "-m", "benchmarks.probe_malloc_arenas", "--child", mode]
                 cmd += ["--model", model, "--calls", str(args.calls)]
-                env = {**os.environ} | (
-                    {"RAYON_NUM_THREADS": RAYON_THREADS[mode]} if mode in RAYON_THREADS else {}
-                )
+                env = {**os.environ} | ENVIRONMENTS[mode]
                 done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
                 line = done.stdout.splitlines()[-1]
                 got[mode].append(json.loads(line))

@@ -36,7 +36,7 @@ import eg2_runtime
 from eg2_runtime.api import EngineMemory, Estimate, PreparedItem, SegmentStream, Span, TokenCount
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.fused import use_fused_kernels
-from eg2_runtime.gpu_memory import ProcessGpuMemory, set_cuda_stack_limit
+from eg2_runtime.gpu_memory import ProcessGpuMemory, bound_cublas_workspace, set_cuda_stack_limit
 from eg2_runtime.graphs import LENGTH_LADDER, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import (
     IMAGE_TOKEN_BUDGETS,
@@ -140,6 +140,10 @@ class EngineOptions:
     # set_cuda_stack_limit): 256 instead of the runtime's 1,024 gives back ~200 MiB of process
     # memory on the H200; a kernel that needs more makes the driver grow it. None leaves the default.
     cuda_stack_bytes: int | None = 256
+    # cuBLAS's workspace per stream it runs on (gpu_memory.bound_cublas_workspace), set before the
+    # first matmul: torch's 32 MiB default on the H200 holds 64 MiB for the engine's two streams.
+    # None leaves torch's default; an operator's CUBLAS_WORKSPACE_CONFIG wins either way.
+    cublas_workspace_bytes: int | None = 4 << 20
     # CUDA graphs for the vision and audio towers (tower_graphs.py), with the text graphs: one image
     # 82 -> 12 ms, one 9.3 s clip 122 -> 8.4 ms (H200, packed, benchmarks/probe_memory_media.py).
     tower_graphs: bool = True
@@ -365,6 +369,8 @@ class Engine:
         gpu_memory = ProcessGpuMemory()  # before the weights: see ProcessGpuMemory
         wanted = frozenset(modalities) if modalities is not None else None
         opts = options or EngineOptions()
+        if opts.cublas_workspace_bytes is not None:
+            bound_cublas_workspace(opts.cublas_workspace_bytes)
         # The table waits in host memory for the memory plan to place it (Engine.__init__) unless
         # the operator asked for it on the device.
         host_table = opts.host_token_table is not False

@@ -97,6 +97,24 @@ def set_cuda_stack_limit(nbytes: int) -> bool:
     return err == 0
 
 
+CUBLAS_WORKSPACE_CONFIG = "CUBLAS_WORKSPACE_CONFIG"
+
+
+def bound_cublas_workspace(nbytes: int) -> bool:
+    """Give cuBLAS one workspace of `nbytes` per (handle, stream) it runs on, instead of torch's
+    default (32 MiB on Hopper; 4 MiB x 2 + 16 KiB x 8 elsewhere), through CUBLAS_WORKSPACE_CONFIG.
+    torch reads that once, at the process's first cuBLAS call, so this must come before it; an
+    operator's own CUBLAS_WORKSPACE_CONFIG wins. False where the variable was already set.
+
+    The workspaces are allocator blocks held for the life of the process, one for each stream a
+    matmul ran on: the engine's eager stream and the graph captures' stream, so 64 MiB by default.
+    """
+    if CUBLAS_WORKSPACE_CONFIG in os.environ:
+        return False
+    os.environ[CUBLAS_WORKSPACE_CONFIG] = f":{max(1, nbytes >> 10)}:1"
+    return True
+
+
 def cuda_stack_limit() -> int | None:
     """The per-thread stack bytes the CUDA context reserves now (cudaDeviceGetLimit); None where the
     CUDA runtime is not loaded or the call fails. What set_cuda_stack_limit set, or what the driver

@@ -112,7 +112,10 @@ class GraphPool:
         read: Callable[[], int | None] | None = None,
         grew: Callable[[], None] | None = None,
     ) -> None:
-        self.handle = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        # A MemPool rather than a bare graph-pool handle: each capture's warm-up run allocates in it
+        # too (capture_graph), so the capture reuses the warm-up's blocks instead of adding its own
+        # beside them.
+        self.handle = torch.cuda.MemPool() if torch.cuda.is_available() else None
         self.budget = budget
         self.read = read  # the process's GPU memory in bytes (NVML), or None
         # Called after every capture that ran (kept, dropped or stopped midway): its executable is
@@ -240,27 +243,33 @@ class GraphPool:
 def capture_graph(
     step: Callable[..., Any],
     inputs: Sequence[torch.Tensor],
-    pool: Any,
+    pool: torch.cuda.MemPool | None,
     around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture `step(*inputs)` into a CUDA graph drawing on `pool`: (the graph, its static output).
 
     It runs once on a side stream first, as torch.cuda.graphs advises: kernel choice, cuBLAS
-    workspaces, Triton compiles and lazy inits happen outside the capture. `around` wraps both runs
-    (the Unpacker's capture mode): the warm-up runs on another stream than the engine's eager
-    forwards, and the Unpacker must order its unpacks after that stream, not the one it last saw.
-    torch.cuda.graph synchronizes the device before the capture begins, so nothing the warm-up left
-    in flight reaches into the capture.
+    workspaces, Triton compiles and lazy inits happen outside the capture. That run allocates in
+    `pool` as well: its blocks, freed when it returns, are the ones the capture then takes, since it
+    asks for the same sizes in the same order. Run outside the pool, its activations stayed cached
+    beside the capture's until the next empty_cache, and the process's peak held both. `around`
+    wraps both runs (the Unpacker's capture mode): the warm-up runs on another stream than the
+    engine's eager forwards, and the Unpacker must order its unpacks after that stream, not the one
+    it last saw. torch.cuda.graph synchronizes the device before the capture begins, so nothing the
+    warm-up left in flight reaches into the capture.
     """
     device = inputs[0].device
     side = _warmup_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), around():
+    allocating = torch.cuda.use_mem_pool(pool, device) if pool is not None else contextlib.nullcontext()
+    with torch.cuda.stream(side), around(), allocating:
         step(*inputs)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # Captured on the warm-up's stream too: each stream cuBLAS runs on keeps a workspace of its own.
-    with torch.cuda.graph(graph, pool=pool, stream=side), around():
+    # The pool goes by its id: torch 2.11's torch.cuda.graph takes a handle, not a MemPool.
+    handle: Any = None if pool is None else pool.id
+    with torch.cuda.graph(graph, pool=handle, stream=side), around():
         out = step(*inputs)
     return graph, out
 
