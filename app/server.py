@@ -24,7 +24,7 @@ import uvicorn
 
 from app.connections import ConnectionLimits, Connections, protocol_class
 from app.main import create_app
-from app.service import Service
+from app.service import Service, usable_cores
 from app.settings import Settings
 from eg2_runtime.api import EngineAPI
 
@@ -123,18 +123,25 @@ def fit_descriptor_limit(max_connections: int) -> int:
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 16 << 20
+
+
 # glibc malloc arenas. By default a thread that finds the arenas busy gets a new one (up to 8 per
 # core), and each keeps its freed memory: the service's threads (event loop, preprocessing, GPU,
 # torch's) made the RSS jump by 60-100 MB at random points of tests/reliability/test_reliability_load.py's
-# measured phase (+4.5% to +8.7% in a fresh venv; within +-0.4% in 5 runs with 2 arenas). The
-# cost is threads sharing 2 arenas' locks, in a process whose heavy work holds the GIL or runs in
-# torch's own allocator. MALLOC_ARENA_MAX in the environment still wins.
-MALLOC_ARENAS = 2
+# measured phase (+4.5% to +8.7% in a fresh venv; within +-0.4% in 5 runs with 2 arenas). One arena
+# per usable core, not a fixed 2: the tokenizer encodes a batch on one thread per core, each
+# allocating through glibc, and on a 16-core host 16 threads sharing 2 arenas' locks prepared 64
+# docs in 4.0x the time of glibc's defaults (docs/PERF.md, benchmarks/probe_malloc_arenas.py). A
+# 2-core host keeps the 2 arenas the drift was measured with. MALLOC_ARENA_MAX in the environment
+# still wins.
+def malloc_arenas() -> int:
+    """The arena bound tune_malloc sets: one per core this process may use, at least 2."""
+    return max(2, usable_cores())
 
 
 def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Keep glibc from raising its mmap threshold as large tensors are freed, and bound its arenas
-    (MALLOC_ARENAS); False where not glibc.
+    (malloc_arenas); False where not glibc.
 
     glibc starts at 128 KiB and, each time an mmapped block is freed, raises the threshold to that
     block's size (up to 32 MiB). After warm-up's full batches, activations of every later size come
@@ -145,7 +152,7 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
         if "MALLOC_ARENA_MAX" not in os.environ:
-            libc.mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+            libc.mallopt(M_ARENA_MAX, malloc_arenas())
         return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
     except (OSError, AttributeError):
         return False

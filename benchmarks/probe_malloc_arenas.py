@@ -3,19 +3,20 @@ arenas slow its text preparation?
 
     python -m benchmarks.probe_malloc_arenas [--model DIR] [--rounds 3]     (from the repository root)
 
-`eg2 serve` bounds glibc at 2 arenas (app.server.tune_malloc) against RSS drift. The tokenizer's batch
-encode spreads over every core (Rust threads that allocate through glibc), and 16 threads sharing 2
-arenas' locks could wait on each other. On the H200, 64 docs prepared in 3.4 ms in the server against
-at most ~1.2 ms in-process (docs/PERF.md); a 2-core machine cannot show such contention.
+`eg2 serve` bounds glibc's arenas (app.server.tune_malloc) against RSS drift: one per usable core, at
+least 2. The tokenizer's batch encode spreads over every core (Rust threads that allocate through
+glibc). Under the earlier fixed bound of 2, 16 threads shared 2 arenas' locks, and the H200 host
+prepared 64 docs in 4.0x the time of glibc's defaults (docs/PERF.md); a 2-core machine cannot show
+such contention.
 
 Each configuration runs in a fresh process (a thread's arena is fixed at its first allocation), the
-modes alternated for --rounds rounds: glibc's defaults; the server's `tune_malloc()`; that with the
-tokenizer's threads capped at 4 (RAYON_NUM_THREADS); that with a serial tokenizer
-(TOKENIZERS_PARALLELISM=false); and `tune_malloc()` with one arena per core (MALLOC_ARENA_MAX, which
-it leaves alone). Each prepares the bench's named 64 docs (20-60 tokens), its query, and 64 docs of
-500 tokens (where a serial tokenizer would lose) with `Engine.prepare_many` on a thread of its own,
-at the server's GIL switch interval, as the server does. The tiny demo checkpoint serves by default: its tokenizer is the full
-checkpoint's stand-in. Prints each side's median and its ratio to glibc's defaults.
+modes alternated for --rounds rounds: glibc's defaults; the server's `tune_malloc()`; that with a
+serial tokenizer (TOKENIZERS_PARALLELISM=false); and the earlier 2 arenas, alone and with the
+tokenizer's threads capped at 4 (RAYON_NUM_THREADS). Each prepares the bench's named 64 docs (20-60
+tokens), its query, and 64 docs of 500 tokens (where a serial tokenizer would lose) with
+`Engine.prepare_many` on a thread of its own, at the server's GIL switch interval, as the server
+does. The tiny demo checkpoint serves by default: its tokenizer is the full checkpoint's stand-in.
+Prints each side's median and its ratio to glibc's defaults.
 """
 
 from __future__ import annotations
@@ -31,16 +32,15 @@ import threading
 import time
 from pathlib import Path
 
-CORES = str(len(os.sched_getaffinity(0)))
-# Each mode's environment. Rayon reads RAYON_NUM_THREADS at the tokenizer pool's first use: fewer
-# threads on the 2 arenas, for a batch too small to need 16. TOKENIZERS_PARALLELISM=false encodes a
-# batch on the calling thread. tune_malloc leaves an operator's MALLOC_ARENA_MAX alone.
+# Each mode's environment. tune_malloc leaves an operator's MALLOC_ARENA_MAX alone, which sets the
+# earlier bound of 2. Rayon reads RAYON_NUM_THREADS at the tokenizer pool's first use: fewer threads
+# on the 2 arenas. TOKENIZERS_PARALLELISM=false encodes a batch on the calling thread.
 ENVIRONMENTS: dict[str, dict[str, str]] = {
     "glibc default": {},
     "tune_malloc": {},
-    "tune_malloc, 4 encode threads": {"RAYON_NUM_THREADS": "4"},
     "tune_malloc, serial encode": {"TOKENIZERS_PARALLELISM": "false"},
-    "tune_malloc, arenas = cores": {"MALLOC_ARENA_MAX": CORES},
+    "tune_malloc, 2 arenas": {"MALLOC_ARENA_MAX": "2"},
+    "tune_malloc, 2 arenas, 4 encode threads": {"MALLOC_ARENA_MAX": "2", "RAYON_NUM_THREADS": "4"},
 }
 MODES = tuple(ENVIRONMENTS)
 
