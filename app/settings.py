@@ -522,8 +522,16 @@ SETTINGS_INTRO = """\
      this page and the code drift apart. -->
 
 Every setting is a flag of `eg2 serve` and an `EG2_*` environment variable (flags win); lists are
-comma-separated. Nothing else reads the environment. The architecture is never a setting: it comes
-from the checkpoint's `config.json`.
+comma-separated. Nothing else of the service reads the environment. The architecture is never a
+setting: it comes from the checkpoint's `config.json`.
+
+Two variables belong to the libraries underneath; where one is unset, the service applies its own value:
+- `MALLOC_ARENA_MAX` (glibc): one malloc arena per usable core, at least 2. Fewer arenas keep the
+  resident memory flatter under mixed load, but the tokenizer's threads then wait on each other's
+  locks (2 arenas prepared 64 short docs in 4-4.6x the time on a 16-core host, docs/PERF.md).
+- `CUBLAS_WORKSPACE_CONFIG` (cuBLAS): `:4096:1`, a 4 MiB workspace per stream instead of torch's
+  32 MiB on Hopper: 62 MiB less GPU memory for the text-only server, and no benchmark cell
+  consistently slower. Larger gives cuBLAS room to split long reductions, at 28 MiB more per stream.
 
 """
 

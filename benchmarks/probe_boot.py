@@ -90,7 +90,7 @@ def buckets(engine: Engine) -> tuple[set[str], set[str], set[str]]:
     return graphs, refused, deferred
 
 
-def profile(engine: Engine, prepared: list[Any], rows: int = 16) -> dict[str, Any]:
+def profile(engine: Engine, prepared: list[Any], rows: int = 24) -> dict[str, Any]:
     """Three embeds under torch.profiler: wall ms each, the device kernels an embed launches (a
     graph's replay counts each of its kernels), and the top operators by self host time and by
     device time (ms over the three)."""

@@ -142,6 +142,9 @@ class EngineOptions:
     cuda_stack_bytes: int | None = 256
     # cuBLAS's workspace per stream it runs on (gpu_memory.bound_cublas_workspace), set before the
     # first matmul: torch's 32 MiB default on the H200 holds 64 MiB for the engine's two streams.
+    # At 4 MiB the text-only server held 62 MiB less at /ready (1,000 -> 938 MiB, H200) and the
+    # bench's in-process cells stayed within their run-to-run spread of 32 MiB's (docs/PERF.md,
+    # 2026-12-03). A bigger one may let some GEMMs split K; none measured faster for it here.
     # None leaves torch's default; an operator's CUBLAS_WORKSPACE_CONFIG wins either way.
     cublas_workspace_bytes: int | None = 4 << 20
     # CUDA graphs for the vision and audio towers (tower_graphs.py), with the text graphs: one image
