@@ -200,6 +200,10 @@ def rms_norm_rope(
     return out.view(x.shape)
 
 
+# qkv_norm_rope's launch: (values of one head a program takes, a block of tokens; warps a program).
+QKV_TILE = (ROW_BLOCK_ELEMENTS, 8)
+
+
 def qkv_norm_rope(
     qkv: torch.Tensor,
     heads: int,
@@ -209,6 +213,8 @@ def qkv_norm_rope(
     eps: tuple[float, float, float],
     cos: torch.Tensor,
     sin: torch.Tensor,
+    *,
+    tile: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The text attention's per-token half from one merged projection, in one launch.
 
@@ -216,6 +222,8 @@ def qkv_norm_rope(
     column stride is read in place); cos/sin (N, hd). Returns q = rope(q_norm(q)) (N, heads, hd) and
     k = rope(k_norm(k)), v = v_norm(v) (N, kv_heads, hd), contiguous: what q_norm / k_norm / v_norm
     and apply_rope give, rounded as rms_norm_rope rounds. eps: q_norm's, k_norm's, v_norm's.
+    tile: (values per program, warps), QKV_TILE by default; the result does not depend on it
+    (benchmarks/text_kernels.py times the choices).
     """
     if qkv.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the fused kernels take float32 or bfloat16, not {qkv.dtype}")
@@ -231,8 +239,9 @@ def qkv_norm_rope(
     q = torch.empty((n, heads, hd), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((n, kv_heads, hd), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
+    elements, warps = tile or QKV_TILE
     block = triton.next_power_of_2(hd)
-    block_t = max(1, ROW_BLOCK_ELEMENTS // block)
+    block_t = max(1, elements // block)
     _qkv_norm_rope_kernel[(triton.cdiv(n, block_t), heads + 2 * kv_heads)](
         qkv,
         q_weight,
@@ -253,6 +262,6 @@ def qkv_norm_rope(
         ROUND_BF16=qkv.dtype == torch.bfloat16,
         BLOCK_T=block_t,
         BLOCK=block,
-        num_warps=8,
+        num_warps=warps,
     )
     return q, k, v
