@@ -41,11 +41,10 @@ from eg2_runtime.rope_triton import QKV_TILE, qkv_norm_rope
 # (eg2_runtime/tools/demo_model.py writes the same config).
 KINDS = {"sliding": (4, 2, 256), "full": (4, 1, 512)}
 HIDDEN, MLP = 512, 2048
-TILES = [(e, w) for e in (1024, 2048, 4096, 8192, 16384) for w in (2, 4, 8, 16)]
+TILES = [(e, w) for e in (2048, 4096, 8192) for w in (4, 8)] + [(1024, 2), (16384, 16)]
 # attention_triton.full_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages)
 ATTENTION_TILES = [
-    (64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (64, 32, 8, 3), (128, 32, 8, 2), (32, 32, 4, 2),
-    (64, 16, 8, 2), (128, 64, 8, 1),
+    (64, 32, 8, 2), (64, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2), (64, 16, 8, 2),
 ]  # fmt: skip
 
 
