@@ -87,8 +87,6 @@ class PackedAttention:
             if backend not in BACKENDS:
                 raise ValueError(f"attention backend {backend!r} for {kind}: choose from {BACKENDS}")
             head_dim = max(d for d, k in zip(cfg.head_dims, cfg.layer_types, strict=True) if k == kind)
-            if backend in ("flash", "efficient", "triton") and not on_cuda:
-                raise ValueError(f"the {backend!r} attention backend needs CUDA")
             if backend == "flash" and head_dim > FLASH_MAX_HEAD_DIM:
                 raise ValueError(f"'flash' takes head_dim <= {FLASH_MAX_HEAD_DIM}; {kind} has {head_dim}")
             if backend in ("efficient", "triton") and kind == SLIDING:
@@ -99,6 +97,8 @@ class PackedAttention:
                     raise ValueError(
                         f"'triton' takes one kv head of a power-of-two head_dim; {kind} has {kv} of {head_dim}"
                     )
+            if backend in ("flash", "efficient", "triton") and not on_cuda:
+                raise ValueError(f"the {backend!r} attention backend needs CUDA")
         self.packing = packing
         self.windows: dict[str, int | None] = {SLIDING: cfg.sliding_window, FULL: None}
         self.block_size = block_size

@@ -256,6 +256,11 @@ def test_pool_equals_padded_pool() -> None:
 
 def test_backends_are_checked(encoder: TextEncoder) -> None:
     packing = Packing.from_lengths([3])
-    for backends in ({SLIDING: "flash", FULL: "dense"}, {SLIDING: "dense", FULL: "nope"}):
-        with pytest.raises(ValueError):
+    for backends, says in (
+        ({SLIDING: "flash", FULL: "dense"}, "needs CUDA"),
+        ({SLIDING: "dense", FULL: "nope"}, "choose from"),
+        ({SLIDING: "dense", FULL: "triton"}, "needs CUDA"),
+        ({SLIDING: "triton", FULL: "dense"}, "no bidirectional window"),
+    ):
+        with pytest.raises(ValueError, match=says):
             PackedAttention(packing, encoder.cfg, backends)
