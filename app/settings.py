@@ -525,7 +525,7 @@ Every setting is a flag of `eg2 serve` and an `EG2_*` environment variable (flag
 comma-separated. Nothing else of the service reads the environment. The architecture is never a
 setting: it comes from the checkpoint's `config.json`.
 
-Two variables belong to the libraries underneath; where one is unset, the service applies its own value:
+Two variables belong to the libraries underneath; where one is unset, `eg2 serve` applies its own:
 - `MALLOC_ARENA_MAX` (glibc): one malloc arena per usable core, at least 2. Fewer arenas keep the
   resident memory flatter under mixed load, but the tokenizer's threads then wait on each other's
   locks (2 arenas prepared 64 short docs in 4-4.6x the time on a 16-core host, docs/PERF.md).

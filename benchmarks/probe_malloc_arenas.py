@@ -43,6 +43,8 @@ ENVIRONMENTS: dict[str, dict[str, str]] = {
     "tune_malloc, 2 arenas, 4 encode threads": {"MALLOC_ARENA_MAX": "2", "RAYON_NUM_THREADS": "4"},
 }
 MODES = tuple(ENVIRONMENTS)
+# Stripped from the caller's environment first, so that each mode is what its name says.
+SET_BY_MODES = {"MALLOC_ARENA_MAX", "RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"}
 
 
 def child(mode: str, model: str, calls_per_shape: int) -> dict[str, float]:
@@ -107,7 +109,7 @@ def main() -> None:
             for mode in MODES if i % 2 == 0 else MODES[::-1]:  # no mode always first
                 cmd = [sys.executable, "-m", "benchmarks.probe_malloc_arenas", "--child", mode]
                 cmd += ["--model", model, "--calls", str(args.calls)]
-                env = {**os.environ} | ENVIRONMENTS[mode]
+                env = {k: v for k, v in os.environ.items() if k not in SET_BY_MODES} | ENVIRONMENTS[mode]
                 done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
                 line = done.stdout.splitlines()[-1]
                 got[mode].append(json.loads(line))

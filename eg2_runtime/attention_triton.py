@@ -12,9 +12,10 @@ kernel: q (N, nh, hd) is read as N nh rows of one head, row r being token r // n
 and no positions in the mask, a row's attention depends only on its item, so any BLOCK_M rows can go
 to one program: the program finds the items its rows belong to (the packing's doc_ids), walks the
 keys from the first of those items' first token to the last one's end, and masks a key out where its
-item is not the row's. A program's rows span at most a few short items, or lie inside one long item,
-whose keys it then walks unmasked but for the ends. The grid is ceil(N nh / BLOCK_M) programs, fixed
-by N, so a CUDA graph captures it and replays it for any packing of the same N.
+item is not the row's. A program's rows span a few short items, or lie inside one long item, or
+straddle the boundary of two long ones (then it walks both items' keys, half of them masked). The
+grid is ceil(N nh / BLOCK_M) programs, fixed by N, so a CUDA graph captures it and replays it for
+any packing of the same N.
 
 Online softmax in FP32 (scale 1.0: q_norm and k_norm fix the logit scale), P rounded to BF16 for the
 P @ V product (as FlashAttention rounds it), the output written over q: a program reads its own q
@@ -27,10 +28,14 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the launch. At head_dim 512 a program's accumulator
-# is BLOCK_M x 512 FP32 (128 KiB at 64 rows: 128 registers a thread over 8 warps) and each stage
-# holds a BLOCK_N x 512 BF16 key and value tile (32 KiB each at 32 rows).
-TILE = (64, 32, 8, 2)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the launch, by the inputs' dtype. At head_dim 512 a
+# program's accumulator is BLOCK_M x 512 FP32, beside its q rows, logits and addresses. Compiled for
+# sm_90a (Triton 3.8, tests/runtime/test_attention_triton.py): BF16 at (64, 16, 8, 2) uses wgmma,
+# 253 registers a thread and 82 KB of shared memory, no spills; (64, 32, 8, 2) spilled 700 B a
+# thread, every larger tile more. FP32 (the GPU tests' exact path) needs 4x the shared memory per
+# element: (16, 16, 4, 1) takes 66 KB; (64, 32, 8, 2) would need 271 KB, past Hopper's 227.
+TILE = (64, 16, 8, 2)
+FP32_TILE = (16, 16, 4, 1)
 
 
 @triton.jit
@@ -105,7 +110,8 @@ def full_attention(
 ) -> torch.Tensor:
     """Attention of q (N, nh, hd) over k, v (N, 1, hd) within each item; returns q, overwritten with
     the output (N, nh, hd). doc_ids (N,) and cu_seqlens (S + 1,) int32: the packing's. hd a power of
-    two. tile: (BLOCK_M, BLOCK_N, num_warps, num_stages), TILE by default."""
+    two. tile: (BLOCK_M, BLOCK_N, num_warps, num_stages), by default TILE (FP32_TILE for FP32); BLOCK_M
+    and BLOCK_N at least 16 (a GPU's dot takes no fewer)."""
     n, heads, hd = q.shape
     if k.shape != (n, 1, hd) or v.shape != k.shape:
         raise ValueError(f"k and v must be {(n, 1, hd)}: one kv head; got {tuple(k.shape)}, {tuple(v.shape)}")
@@ -113,7 +119,9 @@ def full_attention(
         raise ValueError(f"head_dim must be a power of two of at least 16, not {hd}")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         raise ValueError("q, k and v must be contiguous")
-    block_m, block_n, warps, stages = tile or TILE
+    block_m, block_n, warps, stages = tile or (FP32_TILE if q.dtype == torch.float32 else TILE)
+    if min(block_m, block_n) < 16:
+        raise ValueError(f"tile {tile}: BLOCK_M and BLOCK_N must be at least 16")
     rows = n * heads
     _full_attention_kernel[(triton.cdiv(rows, block_m),)](
         q,
