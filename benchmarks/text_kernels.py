@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.vision_kernels import timer
 from eg2_runtime.attention_triton import full_attention
 from eg2_runtime.mlp_triton import gelu_tanh_mul
 from eg2_runtime.packed_attention import _dense, _efficient, block_mask, element_mask
@@ -74,15 +74,7 @@ def device_us(call: Callable[[], object], device: torch.device, calls: int, roun
     with torch.cuda.graph(graph):
         for _ in range(calls):
             call()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return 1e3 * timer(device, rounds, warmup=1)(graph.replay) / calls
 
 
 def row(name: str, us: float, nbytes: int) -> dict[str, Any]:
