@@ -109,6 +109,20 @@ def packed_vectors(
         return packing.pool(tokens.float())[: len(lengths)]
 
 
+@pytest.fixture(scope="module")
+def padded(models: dict[torch.dtype, EG2Model]) -> Callable[[torch.dtype, str], torch.Tensor]:
+    """(dtype, layout) -> the padded path's vectors of LAYOUTS[layout], each computed once for
+    every backend's parity test."""
+    cache: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+    def vectors(dtype: torch.dtype, layout: str) -> torch.Tensor:
+        if (dtype, layout) not in cache:
+            cache[dtype, layout] = padded_vectors(models[dtype], LAYOUTS[layout])
+        return cache[dtype, layout]
+
+    return vectors
+
+
 def cosines(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     return [round(float(c), 6) for c in (a * b).sum(-1)]
 
@@ -122,7 +136,11 @@ FP32_BOUND = 1 - 1e-5
 @pytest.mark.parametrize("name", list(BACKENDS), ids=lambda name: name.replace("+", "_"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_matches_padded(
-    models: dict[torch.dtype, EG2Model], results: Path | None, dtype: torch.dtype, name: str
+    models: dict[torch.dtype, EG2Model],
+    padded: Callable[[torch.dtype, str], torch.Tensor],
+    results: Path | None,
+    dtype: torch.dtype,
+    name: str,
 ) -> None:
     """Per item: FP32, cosine of packed against padded >= 1 - 1e-5 (a wrong mask moves a vector far
     more); BF16, the engine's rule for a fast path that rounds differently (test_gpu.py): no further
@@ -131,24 +149,24 @@ def test_packed_matches_padded(
     BF16 rounding, and the padded path itself sat at 0.998 from FP32 on short texts."""
     if dtype == torch.float32 and name not in FP32_BACKENDS:
         pytest.skip(f"{name} does not take FP32")
-    model, exact, backends = models[dtype], models[torch.float32], BACKENDS[name]
+    model, backends = models[dtype], BACKENDS[name]
     figures: dict[str, Any] = {}
     failures = []
     for layout, lengths in LAYOUTS.items():
         if name == "dense+dense" and sum(lengths) > 4096:
             continue  # (N, N) masks: the reference backend is for small batches
-        padded, padded32 = padded_vectors(model, lengths), padded_vectors(exact, lengths)
-        figures[layout] = {"padded_vs_fp32_min": min(cosines(padded, padded32))}
+        ref, padded32 = padded(dtype, layout), padded(torch.float32, layout)
+        figures[layout] = {"padded_vs_fp32_min": min(cosines(ref, padded32))}
         try:
             packed = packed_vectors(model, lengths, backends)
         except Exception as e:  # a backend that does not run here is a finding: record it
             figures[layout][name] = f"{type(e).__name__}: {str(e)[:300]}"
             failures.append(f"{layout} / {name}: {type(e).__name__}")
             continue
-        vs_padded = min(cosines(packed, padded))
+        vs_padded = min(cosines(packed, ref))
         # The engine's rule for a fast path that rounds differently (test_gpu.py): no further
         # from FP32 than 3x the padded BF16 path's own distance, + 1e-5.
-        err, ref_err = (1 - torch.tensor(cosines(x, padded32)) for x in (packed, padded))
+        err, ref_err = (1 - torch.tensor(cosines(x, padded32)) for x in (packed, ref))
         rounding_only = bool((err <= 3 * ref_err + 1e-5).all())
         figures[layout][name] = {
             "vs_padded_min": vs_padded,
