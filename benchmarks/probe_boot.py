@@ -209,7 +209,8 @@ def main() -> None:
     if args.full_attention:
         packed_attention.CUDA_BACKENDS[FULL] = args.full_attention
     if args.attention_tile:
-        attention_triton.TILE = tuple(int(x) for x in args.attention_tile.split(","))
+        m, n, warps, stages = (int(x) for x in args.attention_tile.split(","))
+        attention_triton.TILE = (m, n, warps, stages)
     args.out.mkdir(parents=True, exist_ok=True)
     table = "-host-table" if args.host_token_table else ""
     padded = "-padded" if args.padded_text else ""
