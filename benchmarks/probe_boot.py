@@ -2,7 +2,7 @@
 
     python -m benchmarks.probe_boot --out DIR [--checkpoint w4|bf16] [--modalities text]
                                     [--budget-mib N] [--host-token-table] [--padded-text]
-                                    [--profile SHAPE,...] [--full-attention triton [--attention-tile M,N,W,S]]
+                                    [--profile SHAPE,...] [--full-attention BACKEND]
 
 Generates (or reuses) the full-size random checkpoints of `eg2 bench`. A thread samples the process's
 GPU memory (NVML) throughout, so the boot's peak is split by phase: load (weights, the plan, the
@@ -13,8 +13,7 @@ before, the process's GPU memory (NVML) and the buckets that shape added or had 
 Writes boot-<tag>.json into DIR.
 
 --full-attention BACKEND serves the full layers with another packed_attention backend than the
-default (e.g. triton, attention_triton's kernel, whose launch tile --attention-tile sets): an A/B of
-the engine as booted, the tag names it.
+default (e.g. flex): an A/B of the engine as booted; the output's tag names it.
 
 --history records the caching allocator's history through the warm-up (torch.cuda.memory's
 `_record_memory_history`) and writes, beside the phases, the live set at the warm-up's allocator peak
@@ -43,7 +42,7 @@ from app.service import GPU_BATCH_TOKENS
 from benchmarks import workloads
 from benchmarks.process_memory import PeakSampler
 from benchmarks.workloads import CHECKPOINT_KINDS, Factory, Input, full_checkpoint
-from eg2_runtime import attention_triton, packed_attention, samples
+from eg2_runtime import packed_attention, samples
 from eg2_runtime.config import FULL
 from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.errors import EngineOutOfMemory
@@ -202,21 +201,14 @@ def main() -> None:
     parser.add_argument(
         "--full-attention", choices=BACKENDS, default=None, help="the full layers' CUDA attention backend"
     )
-    parser.add_argument(
-        "--attention-tile", default=None, help="the 'triton' backend's BLOCK_M,BLOCK_N,warps,stages"
-    )
     args = parser.parse_args()
     if args.full_attention:
         packed_attention.CUDA_BACKENDS[FULL] = args.full_attention
-    if args.attention_tile:
-        m, n, warps, stages = (int(x) for x in args.attention_tile.split(","))
-        attention_triton.TILE = (m, n, warps, stages)
     args.out.mkdir(parents=True, exist_ok=True)
     table = "-host-table" if args.host_token_table else ""
     padded = "-padded" if args.padded_text else ""
     full = f"-{args.full_attention}" if args.full_attention else ""
-    tile = f"-{args.attention_tile.replace(',', 'x')}" if args.attention_tile else ""
-    tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}{padded}{full}{tile}"
+    tag = f"{args.checkpoint}-{args.modalities or 'all'}-{args.budget_mib or 'default'}{table}{padded}{full}"
     model_dir = full_checkpoint(args.checkpoint)
     sampler = PeakSampler().start(os.getpid())  # before CUDA starts: see PeakSampler
     phases = {"load": time.time()}

@@ -62,7 +62,6 @@ CUDA_COMBOS = {
     "flash+efficient": {SLIDING: "flash", FULL: "efficient"},  # the CUDA default (served)
     "flex+flex": {SLIDING: "flex", FULL: "flex"},
     "flash+flex": {SLIDING: "flash", FULL: "flex"},
-    "flash+triton": {SLIDING: "flash", FULL: "triton"},
 }
 CPU_COMBOS = {"dense+dense": {SLIDING: "dense", FULL: "dense"}, "flex+flex": {SLIDING: "flex", FULL: "flex"}}
 FLEX_512_OPTIONS: list[dict[str, Any] | None] = [
@@ -284,11 +283,10 @@ def attention_kind(
         # built per call, as they are per batch
         chosen = {SLIDING: "flex", FULL: "flex", kind: backend}
 
-        # The triton kernel, and past QUERY_ROWS tokens the efficient one, write their output over
-        # q: they get a working copy made once, outside the timed call (its time does not depend on
-        # q's values, and the values written there are averages of v's rows, so they stay bounded
-        # call after call).
-        scratch_q = q.clone() if backend in ("efficient", "triton") else q
+        # Past QUERY_ROWS tokens the efficient kernel writes its output over q: it gets a working
+        # copy made once, outside the timed call (its time does not depend on q's values, and the
+        # values written there are averages of v's rows, so they stay bounded call after call).
+        scratch_q = q.clone() if backend == "efficient" else q
 
         def call(
             chosen: dict[str, str] = chosen, block: int = block, q_in: torch.Tensor = scratch_q

@@ -30,10 +30,7 @@ from typing import Any
 import torch
 
 from benchmarks.vision_kernels import timer
-from eg2_runtime.attention_triton import full_attention
 from eg2_runtime.mlp_triton import gelu_tanh_mul
-from eg2_runtime.packed_attention import _dense, _efficient, block_mask, element_mask
-from eg2_runtime.packing import Packing
 from eg2_runtime.rmsnorm_triton import add_rms_norm
 from eg2_runtime.rope_triton import QKV_TILE, qkv_norm_rope
 
@@ -42,17 +39,6 @@ from eg2_runtime.rope_triton import QKV_TILE, qkv_norm_rope
 KINDS = {"sliding": (4, 2, 256), "full": (4, 1, 512)}
 HIDDEN, MLP = 512, 2048
 TILES = [(e, w) for e in (2048, 4096, 8192) for w in (4, 8)] + [(1024, 2), (16384, 16)]
-# attention_triton.full_attention: (BLOCK_M, BLOCK_N, num_warps, num_stages);
-# the default first; (64, 32, 8, 2) spills on sm_90a (attention_triton.TILE), timed to see what that costs
-ATTENTION_TILES = [
-    (64, 16, 8, 2), (64, 16, 8, 1), (64, 16, 8, 3), (32, 32, 8, 2), (32, 16, 8, 2), (64, 32, 8, 2),
-]  # fmt: skip
-
-
-def docs_64() -> list[int]:
-    """64 docs of 20-60 tokens as benchmarks/text_attention.py draws them: 2,461 tokens, run in the
-    2,560-token bucket (the bench's own 64 docs tokenize to 2,544 and run in the same bucket)."""
-    return torch.randint(20, 61, (64,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def device_us(call: Callable[[], object], device: torch.device, calls: int, rounds: int) -> float:
@@ -130,51 +116,6 @@ def main() -> None:
             gate, up = (torch.randn(n, MLP, generator=g, device=device, dtype=dtype) for _ in range(2))
             us = device_us(partial(gelu_tanh_mul, gate, up), device, args.calls, args.rounds)
             report({"tokens": n, **row("gelu_tanh_mul", us, 2 * 3 * n * MLP)})
-        # The full layers' attention: our Triton kernel under each tile against the CUTLASS kernel
-        # the engine served it with (packed_attention._efficient), on 64 docs of 20-60 tokens and a
-        # 2,200-token document, each in its graph bucket; each one's largest difference from
-        # the dense reference path in FP32 (its BF16 inputs upcast).
-        heads, kv, hd = KINDS["full"]
-        layouts = (
-            {"64 docs": docs_64(), "1 doc of 2200": [2200]}
-            if device.type == "cuda"
-            else {"3 docs": [5, 9, 3]}
-        )
-        for layout, lengths in layouts.items():
-            tokens = {"64 docs": 2560, "1 doc of 2200": 2304}.get(layout)  # their graph buckets
-            packing = Packing.from_lengths(lengths, device, tokens=tokens)
-            n = packing.num_tokens
-            q = torch.randn(n, heads, hd, generator=g, device=device, dtype=dtype) / hd**0.25
-            k = torch.randn(n, kv, hd, generator=g, device=device, dtype=dtype) / hd**0.25
-            v = torch.randn(n, kv, hd, generator=g, device=device, dtype=dtype)
-            flops = 4 * heads * hd * sum(x * x for x in lengths)
-            reference = _dense(q.float(), k.float(), v.float(), element_mask(block_mask(packing, None)))
-            candidates: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
-            if device.type == "cuda":
-                candidates["efficient"] = partial(_efficient, k=k, v=v, packing=packing)
-            for t in ATTENTION_TILES:
-                candidates[f"triton {t}"] = partial(
-                    full_attention, k=k, v=v, doc_ids=packing.doc_ids, cu_seqlens=packing.cu_seqlens, tile=t
-                )
-            for name, attend in candidates.items():
-                # Both write over q past a size (triton always): the timed calls share one copy of q,
-                # made beforehand (the time does not depend on q's values).
-                try:
-                    diff = float((attend(q.clone()).float() - reference).abs().max())
-                    us = device_us(partial(attend, q.clone()), device, args.calls, args.rounds)
-                except Exception as e:  # a tile the compiler refuses (registers, shared memory)
-                    report({"layout": layout, "kernel": name, "error": repr(e)[:200]})
-                    continue
-                tflops = flops / us / 1e6
-                report(
-                    {
-                        "layout": layout,
-                        "kernel": name,
-                        "us": round(us, 1),
-                        "tflops": round(tflops, 1),
-                        "max_abs_diff": diff,
-                    }
-                )
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

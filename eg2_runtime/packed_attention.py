@@ -14,9 +14,6 @@ Backends, chosen per layer kind:
   head_dim <= 256: the sliding layers only.
 - "efficient": the CUTLASS memory-efficient kernel, varlen, for any head_dim (512 on the full
   layers, where FlashAttention stops at 256); no window.
-- "triton": attention_triton.full_attention, our kernel for one kv head at any power-of-two
-  head_dim, its accumulator in registers where CUTLASS's past head_dim 128 is in global memory; no
-  window. CUDA (Triton's CPU interpreter in tests).
 
 The block mask cuts the N x N pairs into blocks of `block_size`: a (query block, key block) pair is
 empty (skipped), full (every pair allowed) or partial (the mask function decides per element). It is
@@ -38,7 +35,7 @@ from eg2_runtime.config import FULL, SLIDING, TextConfig
 from eg2_runtime.memory_plan import MIN_GRAPH_TEXT_TOKENS
 from eg2_runtime.packing import Packing
 
-BACKENDS = ("dense", "flex", "flash", "efficient", "triton")
+BACKENDS = ("dense", "flex", "flash", "efficient")
 # Per layer kind on CUDA, what the engine serves: FlashAttention-2 varlen with the window on the
 # sliding layers (head_dim 256), the CUTLASS varlen kernel on the full layers (head_dim 512, past
 # FlashAttention's 256). Both take the packing's tensors without a host sync, so CUDA graphs capture
@@ -89,15 +86,9 @@ class PackedAttention:
             head_dim = max(d for d, k in zip(cfg.head_dims, cfg.layer_types, strict=True) if k == kind)
             if backend == "flash" and head_dim > FLASH_MAX_HEAD_DIM:
                 raise ValueError(f"'flash' takes head_dim <= {FLASH_MAX_HEAD_DIM}; {kind} has {head_dim}")
-            if backend in ("efficient", "triton") and kind == SLIDING:
+            if backend == "efficient" and kind == SLIDING:
                 raise ValueError(f"{backend!r} has no bidirectional window: it serves full layers only")
-            if backend == "triton":
-                kv = max(h for h, k in zip(cfg.kv_heads, cfg.layer_types, strict=True) if k == kind)
-                if kv != 1 or head_dim & (head_dim - 1):
-                    raise ValueError(
-                        f"'triton' takes one kv head of a power-of-two head_dim; {kind} has {kv} of {head_dim}"
-                    )
-            if backend in ("flash", "efficient", "triton") and not on_cuda:
+            if backend in ("flash", "efficient") and not on_cuda:
                 raise ValueError(f"the {backend!r} attention backend needs CUDA")
         self.packing = packing
         self.windows: dict[str, int | None] = {SLIDING: cfg.sliding_window, FULL: None}
@@ -116,13 +107,6 @@ class PackedAttention:
             return _flash(q, k, v, self.packing, self.windows[kind])
         if backend == "efficient":
             return _efficient(q, k, v, self.packing)
-        if backend == "triton":  # the output is written over q, as _efficient's chunks write it
-            from eg2_runtime.attention_triton import full_attention  # Triton: CUDA hosts only
-
-            packing = self.packing
-            return full_attention(
-                q.contiguous(), k.contiguous(), v.contiguous(), packing.doc_ids, packing.cu_seqlens
-            )
         if backend == "flex":
             return _flex(q, k, v, self.block_mask(kind))
         if kind not in self._dense:
