@@ -114,6 +114,18 @@ def matmul_peak_tflops(device: torch.device) -> float:
     return 2 * n**3 * reps / (best / 1000) / 1e12
 
 
+def graph_buckets(engine: Engine) -> tuple[set[str], set[str], set[str]]:
+    """The engine's graph buckets: captured, refused (by the pool), deferred (to first use). Keys
+    as (kind, rows, size) for the towers, total tokens for text."""
+    graphs, refused, deferred = set(), set(), set()
+    for g in (engine.graphs, engine.packed, engine.towers):
+        if g is not None:
+            graphs |= {str(k) for k, c in g.graphs.items() if c.graph is not None}
+            refused |= {str(k) for k in g.refused}
+            deferred |= {str(k) for k in g.deferred}
+    return graphs, refused, deferred
+
+
 # ------------------------------------------------------------------------------------------ runners
 
 
@@ -285,6 +297,7 @@ def measure(
     for w in workloads:
         cell = cell_header(w)
         t0 = time.perf_counter()
+        captured = graph_buckets(runner.engine)[0] if isinstance(runner, Ours) else set()
         try:
             cell["call"] = time_rounds(partial(_call, runner, w), w, budget)
         except Exception as e:  # recorded, reported, and the exit status says so
@@ -295,6 +308,11 @@ def measure(
                 cell |= runner.extras(w, budget.scaled(0.3, warmup=min(budget.warmup, 1)), flops(w))
             except Exception as e:
                 cell["extras_error"], cell["traceback"] = failure(e)
+        if isinstance(runner, Ours):
+            # A batch no graph bucket holds, or whose bucket the pool refused, runs eagerly: the
+            # buckets this cell captured, and every bucket refused so far.
+            now, refused, _ = graph_buckets(runner.engine)
+            cell["graphs"] = {"captured": sorted(now - captured), "refused": sorted(refused)}
         if cell["error"] or cell.get("extras_error"):  # outside `except`: its traceback held the tensors
             settle()
         cell["cell_s"] = time.perf_counter() - t0

@@ -40,6 +40,7 @@ import torch
 
 from app.service import GPU_BATCH_TOKENS
 from benchmarks import workloads
+from benchmarks.inprocess import graph_buckets
 from benchmarks.process_memory import PeakSampler
 from benchmarks.workloads import CHECKPOINT_KINDS, Factory, Input, full_checkpoint
 from eg2_runtime import packed_attention, samples
@@ -82,17 +83,6 @@ def shapes(factory: Factory) -> dict[str, tuple[list[Item], PrepareOptions]]:
             PrepareOptions(),
         ),
     }
-
-
-def buckets(engine: Engine) -> tuple[set[str], set[str], set[str]]:
-    """The engine's captured, refused and deferred graph buckets."""
-    graphs, refused, deferred = set(), set(), set()
-    for g in (engine.graphs, engine.packed, engine.towers):
-        if g is not None:
-            graphs |= {str(k) for k, c in g.graphs.items() if c.graph is not None}
-            refused |= {str(k) for k in g.refused}
-            deferred |= {str(k) for k in g.deferred}
-    return graphs, refused, deferred
 
 
 def profile(engine: Engine, prepared: list[Any], rows: int = 24) -> dict[str, Any]:
@@ -263,7 +253,7 @@ def main() -> None:
     if args.history:
         outside["ready"] = (nvml() - torch.cuda.memory_reserved() / MIB, cuda_stack_limit())
         out["outside_allocator_mib_and_stack"] = outside
-    graphs, refused, deferred = buckets(engine)
+    graphs, refused, deferred = graph_buckets(engine)
     out["start_graphs"], out["start_refused"] = sorted(graphs), sorted(refused)
     out["start_deferred"] = sorted(deferred)
     print(json.dumps(out), flush=True)
@@ -291,7 +281,7 @@ def main() -> None:
                 times.append(1e3 * (time.perf_counter() - t))
         except EngineOutOfMemory as e:
             row["error"] = str(e)
-        now_graphs, now_refused, _ = buckets(engine)
+        now_graphs, now_refused, _ = graph_buckets(engine)
         row |= {
             "tokens": sum(int(getattr(p, "num_tokens", 0)) for p in prepared),
             "first_ms": times[0] if times else None,

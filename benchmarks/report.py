@@ -518,7 +518,20 @@ def _matrix(results: dict[str, Any]) -> list[str]:
         "embed is preprocessing; between embed and forward, collation and copies. Matmul peak measured: "
         f"{_num(results['meta'].get('matmul_peak_tflops'))} TFLOP/s.\n"
     )
+    refused = {k: _refused(cells) for k, cells in zip("ab", (a, b), strict=True)}
+    if any(refused.values()):
+        parts.append(
+            "Graph buckets the pool refused (their batches ran eagerly), by the end of the matrix: "
+            + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in refused.items())
+            + ".\n"
+        )
     return parts
+
+
+def _refused(cells: dict[str, Any]) -> list[str]:
+    """Every graph bucket refused by the last matrix cell that recorded them."""
+    seen = [c["graphs"]["refused"] for c in cells.values() if isinstance(c, dict) and "graphs" in c]
+    return seen[-1] if seen else []
 
 
 def _sweep_cells(row: dict[str, Any]) -> list[str]:

@@ -154,6 +154,8 @@ def test_json_has_every_workload(quick: tuple[int, Path, str]) -> None:
             assert cell["embed"]["p50_ms"] > 0 and cell["forward"]["p50_ms"] > 0, (key, family)
         for family in ("text_long", "image"):
             assert results["configs"][key]["matrix"][f"{family}/b1"]["forward_tflops"] > 0, (key, family)
+        for name, cell in results["configs"][key]["matrix"].items():  # no graphs on a CPU
+            assert cell["graphs"] == {"captured": [], "refused": []}, (key, name)
 
     d = results["configs"]["d"]
     assert set(d["named"]) == set(NAMED)
@@ -392,6 +394,17 @@ def test_targets_are_judged_only_on_a_full_gpu_run() -> None:
     results["meta"]["quick"] = True
     assert {t["met"] for t in report.targets(results, table)} == {None}
     assert all(t["judged"] is False for t in report.targets(results, table))
+
+
+def test_the_report_names_the_buckets_the_pool_refused() -> None:
+    """The matrix's refused graph buckets (their batches ran eagerly) are the last cell's record."""
+    cells = {
+        "image/b1": {"graphs": {"captured": ["('image', 1, 256)"], "refused": []}},
+        "audio_short/b8": {"graphs": {"captured": [], "refused": ["('audio', 8, 1024)"]}},
+        "video/b1": {"error": "out of memory"},
+    }
+    assert report._refused(cells) == ["('audio', 8, 1024)"]
+    assert report._refused({"image/b1": {"call": {}}}) == []
 
 
 def test_every_target_names_a_figure_and_an_issue() -> None:
