@@ -309,8 +309,8 @@ def measure(
             except Exception as e:
                 cell["extras_error"], cell["traceback"] = failure(e)
         if isinstance(runner, Ours):
-            # A batch no graph bucket holds, or whose bucket the pool refused, runs eagerly: the
-            # buckets this cell captured, and every bucket refused so far.
+            # A bucket the pool refused sends its batches to smaller ones, in more replays (eagerly
+            # where none holds them): the buckets this cell captured, and every one refused so far.
             now, refused, _ = graph_buckets(runner.engine)
             cell["graphs"] = {"captured": sorted(now - captured), "refused": sorted(refused)}
         if cell["error"] or cell.get("extras_error"):  # outside `except`: its traceback held the tensors

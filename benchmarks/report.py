@@ -521,7 +521,8 @@ def _matrix(results: dict[str, Any]) -> list[str]:
     refused = {k: _refused(cells) for k, cells in zip("ab", (a, b), strict=True)}
     if any(refused.values()):
         parts.append(
-            "Graph buckets the pool refused (their batches ran eagerly), by the end of the matrix: "
+            "Graph buckets the pool refused by the end of the matrix (their batches ran in smaller "
+            "buckets, or eagerly where none held them): "
             + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in refused.items())
             + ".\n"
         )

@@ -201,10 +201,9 @@ def rms_norm_rope(
 
 
 # qkv_norm_rope's launch: (values of one head a program takes, a block of tokens; warps a program).
-# Smaller programs win on the packed batches the service runs: at 2,544 tokens (64 docs) a full layer
-# took 17.9 us at (1024, 2) against 25.9 at (4096, 8), a sliding one 12.3 against 14.2, the best of
-# 8 tiles on both (H100, 2026-12-06, benchmarks/text_kernels.py; docs/PERF.md). Bits do not depend
-# on it (tests/runtime/test_rope_triton.py).
+# Small programs win on the packed batches the service runs: (1024, 2) was the fastest of the 8 tiles
+# benchmarks/text_kernels.py sweeps, on both layer kinds (docs/PERF.md). Each value's arithmetic does
+# not depend on the tile (tests/runtime/test_rope_triton.py, in the interpreter).
 QKV_TILE = (1024, 2)
 
 

@@ -397,14 +397,46 @@ def test_targets_are_judged_only_on_a_full_gpu_run() -> None:
 
 
 def test_the_report_names_the_buckets_the_pool_refused() -> None:
-    """The matrix's refused graph buckets (their batches ran eagerly) are the last cell's record."""
+    """The matrix section lists each configuration's refused graph buckets, as the last cell that
+    recorded them has them, and says nothing where none was refused."""
+    workload = {"key": "audio_short/b8", "family": "audio_short", "batch": 8, "tokens": 1896, "items": 8}
     cells = {
         "image/b1": {"graphs": {"captured": ["('image', 1, 256)"], "refused": []}},
         "audio_short/b8": {"graphs": {"captured": [], "refused": ["('audio', 8, 1024)"]}},
         "video/b1": {"error": "out of memory"},
     }
-    assert report._refused(cells) == ["('audio', 8, 1024)"]
-    assert report._refused({"image/b1": {"call": {}}}) == []
+    results: dict[str, Any] = {
+        "meta": {"matmul_peak_tflops": None},
+        "workloads": {"matrix": [workload]},
+        "configs": {"a": {"matrix": cells}, "b": {"matrix": {"image/b1": cells["image/b1"]}}, "c": {}},
+    }
+    text = "\n".join(report._matrix(results))
+    assert "Graph buckets the pool refused" in text and "(a) ('audio', 8, 1024); (b) none" in text
+    results["configs"]["a"]["matrix"] = {"image/b1": cells["image/b1"]}
+    assert "Graph buckets the pool refused" not in "\n".join(report._matrix(results))
+
+
+def test_graph_buckets_reads_every_graph_set_of_the_engine() -> None:
+    """Captured (a graph made), refused (by the pool) and deferred buckets, from the text graphs and
+    the towers alike; an engine part that is None (no graphs on a CPU) adds nothing."""
+    from types import SimpleNamespace
+
+    from benchmarks.inprocess import graph_buckets
+
+    towers = SimpleNamespace(
+        graphs={
+            ("audio", 8, 1024): SimpleNamespace(graph=object()),
+            ("audio", 16, 1024): SimpleNamespace(graph=None),
+        },
+        refused={("audio", 16, 1024)},
+        deferred={("image", 1, 2520)},
+    )
+    packed = SimpleNamespace(graphs={2304: SimpleNamespace(graph=object())}, refused={8192}, deferred=set())
+    engine = SimpleNamespace(graphs=None, packed=packed, towers=towers)
+    captured, refused, deferred = graph_buckets(engine)  # type: ignore[arg-type]
+    assert captured == {"('audio', 8, 1024)", "2304"}
+    assert refused == {"('audio', 16, 1024)", "8192"}
+    assert deferred == {"('image', 1, 2520)"}
 
 
 def test_every_target_names_a_figure_and_an_issue() -> None:
