@@ -7,7 +7,9 @@
   FP32), which no rounding excuses; both paths' cosine against FP32 padded tells whose rounding a
   BF16 gap comes from;
 - the packed forward (block masks built inside, compiled flex) captured in a CUDA graph and replayed
-  after the packing changes in place: equal to an eager run of the new layout, and replays repeat.
+  after the packing changes in place: equal to an eager run of the new layout, and replays repeat;
+- qkv_norm_rope gives the same bits under every launch tile on the GPU, warps included (Triton's
+  CPU interpreter, where tests/runtime/test_rope_triton.py checks it, ignores the warp count).
 Figures go to the --results directory as JSON.
 """
 
@@ -22,9 +24,11 @@ import pytest
 import torch
 
 from eg2_runtime.config import FULL, SLIDING
+from eg2_runtime.layers import rope_cos_sin
 from eg2_runtime.loader import load_model
 from eg2_runtime.model import EG2Model
 from eg2_runtime.packing import Packing
+from eg2_runtime.rope_triton import QKV_TILE, qkv_norm_rope
 from eg2_runtime.tools.demo_model import write_demo_model
 
 DEVICE = "cuda"
@@ -257,3 +261,28 @@ def test_folded_query_heads_match_repeated_kv(results: Path | None, dtype: torch
     record(results, name, {"max_abs_diff": diff})
     assert folded.shape == repeated.shape == (n, heads, hd)
     assert diff <= (1e-5 if dtype == torch.float32 else 2 * 2**-8), f"folded vs repeated: {diff:.2e}"
+
+
+# (tokens, heads, kv heads, head_dim): the 64 docs' bucket on both layer kinds, and token counts no
+# program's block of tokens divides.
+QKV_SHAPES = [(2544, 4, 2, 256), (2544, 4, 1, 512), (37, 4, 2, 256), (19, 4, 1, 512)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qkv_norm_rope_tile_does_not_change_bits(dtype: torch.dtype) -> None:
+    """The served tile against the earlier default, a mid one and one token a program: each
+    output bit for bit the same."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for n, heads, kv, hd in QKV_SHAPES:
+        qkv = (torch.randn(n, (heads + 2 * kv) * hd, device=DEVICE, generator=g) * 4).to(dtype)
+        q_weight, k_weight = (torch.randn(hd, device=DEVICE, generator=g) for _ in range(2))
+        positions = torch.randint(0, 600, (n,), device=DEVICE, generator=g)
+        cos, sin = rope_cos_sin(positions, hd, 10_000.0, dtype)
+        outputs = {
+            tile: qkv_norm_rope(qkv, heads, kv, q_weight, k_weight, (1e-6, 1e-5, 1e-4), cos, sin, tile=tile)
+            for tile in (QKV_TILE, (4096, 8), (2048, 4), (hd, 4))
+        }
+        served = outputs[QKV_TILE]
+        for tile, out in outputs.items():
+            for name, a, b in zip("qkv", served, out, strict=True):
+                assert torch.equal(a, b), ((n, heads, kv, hd), tile, name)
