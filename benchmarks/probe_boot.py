@@ -50,7 +50,6 @@ from eg2_runtime.errors import EngineOutOfMemory
 from eg2_runtime.gpu_memory import cuda_stack_limit
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import MIB
-from eg2_runtime.packed_attention import BACKENDS
 
 
 def shapes(factory: Factory) -> dict[str, tuple[list[Item], PrepareOptions]]:
@@ -190,7 +189,9 @@ def main() -> None:
     parser.add_argument("--history", action="store_true", help="the warm-up's live set at its peak")
     parser.add_argument(
         "--full-attention",
-        choices=[b for b in BACKENDS if b != "flash"],  # flash stops at head_dim 256; the full layers' is 512
+        choices=[
+            b for b in packed_attention.BACKENDS if b != "flash"
+        ],  # flash stops at head_dim 256; the full layers' is 512
         default=None,
         help="the full layers' CUDA attention backend",
     )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.vision_kernels import timer
+from benchmarks.vision_kernels import graph_us
 from eg2_runtime.mlp_triton import gelu_tanh_mul
 from eg2_runtime.rmsnorm_triton import add_rms_norm
 from eg2_runtime.rope_triton import QKV_TILE, qkv_norm_rope
@@ -44,23 +44,13 @@ TILES = [(e, w) for e in (2048, 4096, 8192) for w in (4, 8)] + [(1024, 2), (1638
 def device_us(call: Callable[[], object], device: torch.device, calls: int, rounds: int) -> float:
     """Median microseconds per call: a CUDA graph of `calls` calls replayed `rounds` times; on a
     CPU, the wall clock of `calls` calls."""
+    if device.type == "cuda":
+        return graph_us(call, calls, rounds)
     call()
-    if device.type != "cuda":
-        began = time.perf_counter()
-        for _ in range(calls):
-            call()
-        return 1e6 * (time.perf_counter() - began) / calls
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
-    return 1e3 * timer(device, rounds, warmup=1)(graph.replay) / calls
+    began = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return 1e6 * (time.perf_counter() - began) / calls
 
 
 def row(name: str, us: float, nbytes: int) -> dict[str, Any]:

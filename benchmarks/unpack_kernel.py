@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.vision_kernels import graph_us
 from eg2_runtime.quant import PACKED_TOWERS, quantize
 from eg2_runtime.tools.demo_model import checkpoint_shapes, demo_config
 from eg2_runtime.unpack_triton import dequantize_into
@@ -43,29 +44,6 @@ def layer_shapes() -> dict[str, collections.Counter[tuple[int, int]]]:
     return shapes
 
 
-def time_us(fn: Any, reps: int) -> float:
-    """Microseconds of one `fn` on the GPU: the median of 5 replays of a graph of `reps` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles and warms up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -80,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             w = torch.randn(out_f, in_f, device="cuda", generator=gen)
             packed, scale = quantize(w, GROUP)
             dense = torch.empty(out_f, in_f, dtype=torch.bfloat16, device="cuda")
-            us = time_us(lambda p=packed, s=scale, d=dense: dequantize_into(p, s, d), args.reps)
+            us = graph_us(partial(dequantize_into, packed, scale, dense), args.reps, rounds=5)
             moved = packed.nbytes + scale.nbytes + dense.nbytes
             rows.append(
                 {"tower": tower, "shape": [out_f, in_f], "layers": n, "us": round(us, 2),

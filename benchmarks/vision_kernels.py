@@ -64,6 +64,22 @@ def timer(device: torch.device, rounds: int, warmup: int = 3) -> Callable[[Calla
     return cuda if device.type == "cuda" else partial(host_median_ms, rounds=rounds)
 
 
+def graph_us(fn: Callable[[], object], calls: int, rounds: int) -> float:
+    """Microseconds of one `fn` on the GPU, as the engine's graphs replay it (no launch overhead): a
+    CUDA graph of `calls` calls, captured after one call on a side stream (where Triton compiles),
+    replayed `rounds` times after one warm-up replay; the median."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return 1e3 * timer(torch.device("cuda"), rounds, warmup=1)(graph.replay) / calls
+
+
 def checkpoint(args: argparse.Namespace) -> Path:
     if args.model is not None:
         return Path(args.model)
