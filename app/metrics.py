@@ -105,6 +105,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.malloc_trims = Counter(
+            "eg2_malloc_trims",
+            "Times the idle server gave its heap's free pages back to the OS (malloc_trim_idle_s)",
+            registry=r,
+        )
         self.ready = Gauge("eg2_ready", "1 once weights are loaded and warm-up ran, 0 otherwise", registry=r)
         self.gpu_busy_seconds = Gauge(
             "eg2_gpu_busy_seconds", "How long the current GPU call has been running (0 when idle)", registry=r

@@ -12,11 +12,11 @@ cap); `serve` also fits the process's file-descriptor limit to that cap.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import resource
 import sys
+import time
 from types import FrameType
 from typing import NoReturn
 
@@ -24,7 +24,8 @@ import uvicorn
 
 from app.connections import ConnectionLimits, Connections, protocol_class
 from app.main import create_app
-from app.service import Service, usable_cores
+from app.malloc import IdleTrim, tune_malloc
+from app.service import Service, State
 from app.settings import Settings
 from eg2_runtime.api import EngineAPI
 
@@ -36,6 +37,7 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.service = service
         self.connections = connections
+        self.idle_trim = IdleTrim(service.settings.malloc_trim_idle_s, time.monotonic())
         self._signalled = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -48,7 +50,13 @@ class Server(uvicorn.Server):
         self.service.begin_drain_threadsafe()
 
     async def on_tick(self, counter: int) -> bool:
-        return await super().on_tick(counter) or self.service.should_exit
+        """uvicorn's loop calls this every 0.1 s: also gives an idle server's freed heap back (app/malloc.py)."""
+        service = self.service
+        if service.state is State.READY and self.idle_trim.poll(
+            time.monotonic(), service.admitted, service.active
+        ):
+            service.metrics.malloc_trims.inc()
+        return await super().on_tick(counter) or service.should_exit
 
     @property
     def port(self) -> int:
@@ -118,44 +126,6 @@ def fit_descriptor_limit(max_connections: int) -> int:
         extra={"max_connections": max_connections, "fitted": fitted, "nofile": soft},
     )
     return fitted
-
-
-M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
-M_ARENA_MAX = -8
-MMAP_THRESHOLD_BYTES = 16 << 20
-
-
-# glibc malloc arenas. By default a thread that finds the arenas busy gets a new one (up to 8 per
-# core), and each keeps its freed memory: the service's threads (event loop, preprocessing, GPU,
-# torch's) made the RSS jump by 60-100 MB at random points of tests/reliability/test_reliability_load.py's
-# measured phase (+4.5% to +8.7% in a fresh venv; within +-0.4% in 5 runs with 2 arenas). One arena
-# per usable core, not a fixed 2: the tokenizer encodes a batch on one thread per core, each
-# allocating through glibc, and on a 16-core host 16 threads sharing 2 arenas' locks prepared 64
-# docs in 4.0x the time of glibc's defaults (docs/PERF.md, benchmarks/probe_malloc_arenas.py). A
-# 2-core host keeps the 2 arenas the drift was measured with. MALLOC_ARENA_MAX in the environment
-# still wins.
-def malloc_arenas() -> int:
-    """The arena bound tune_malloc sets: one per core this process may use, at least 2."""
-    return max(2, usable_cores())
-
-
-def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Keep glibc from raising its mmap threshold as large tensors are freed, and bound its arenas
-    (malloc_arenas); False where not glibc.
-
-    glibc starts at 128 KiB and, each time an mmapped block is freed, raises the threshold to that
-    block's size (up to 32 MiB). After warm-up's full batches, activations of every later size come
-    from the heap, whose freed space fragments and is rarely returned: under varied batch shapes the
-    RSS crept up 4-15% over a few thousand requests (tests/reliability/test_reliability_load.py). Fixed at 16 MiB,
-    big blocks keep their own mappings and go back to the OS when freed; small ones stay on the heap.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        if "MALLOC_ARENA_MAX" not in os.environ:
-            libc.mallopt(M_ARENA_MAX, malloc_arenas())
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
-    except (OSError, AttributeError):
-        return False
 
 
 def serve(settings: Settings, engine: EngineAPI | None = None) -> int:

@@ -177,6 +177,7 @@ class Service:
         self.should_exit = False  # polled by the server loop
         self.exit_code = 0
         self.active = 0  # embedding requests admitted past the readiness gate, not yet answered
+        self.admitted = 0  # every such request so far (the idle trim watches it, app/malloc.py)
         self._engine = engine
         self._batcher: Batcher | None = None
         self._loader: Threads | None = None  # the GPU thread, until the Batcher takes it over
@@ -376,6 +377,7 @@ class Service:
     async def _timed(self, work: Coroutine[Any, Any, T]) -> T:
         """`work` under the request timeout (503 past it), counted as in flight for the drain."""
         self.active += 1
+        self.admitted += 1
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 return await work

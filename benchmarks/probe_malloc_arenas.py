@@ -3,7 +3,7 @@ arenas slow its text preparation?
 
     python -m benchmarks.probe_malloc_arenas [--model DIR] [--rounds 3]     (from the repository root)
 
-`eg2 serve` bounds glibc's arenas (app.server.tune_malloc) against RSS drift: one per usable core, at
+`eg2 serve` bounds glibc's arenas (app.malloc.tune_malloc) against RSS drift: one per usable core, at
 least 2. The tokenizer's batch encode spreads over every core (Rust threads that allocate through
 glibc). Under the earlier fixed bound of 2, 16 threads shared 2 arenas' locks, and the H200 host
 prepared 64 docs in 4.0x the time of glibc's defaults (docs/PERF.md); a 2-core machine cannot show
@@ -50,7 +50,7 @@ SET_BY_MODES = {"MALLOC_ARENA_MAX", "RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM
 def child(mode: str, model: str, calls_per_shape: int) -> dict[str, float]:
     """Microseconds per prepare_many call (median) in this process, set up as `mode` says."""
     if mode.startswith("tune_malloc"):
-        from app.server import tune_malloc
+        from app.malloc import tune_malloc
 
         tune_malloc()  # before anything allocates on another thread
     from app.settings import Settings

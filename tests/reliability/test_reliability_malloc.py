@@ -1,4 +1,4 @@
-"""The server's glibc malloc bound (app.server.tune_malloc): one arena per usable core, at least 2,
+"""The server's glibc malloc bound (app.malloc.tune_malloc): one arena per usable core, at least 2,
 and an operator's MALLOC_ARENA_MAX wins. Counted from glibc itself: the main thread has the main
 arena, each other thread's first allocation takes a new one until the bound is reached (so T threads
 make min(bound, T + 1)), and malloc_stats() prints one "Arena N:" per arena. The bound is computed
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from app.malloc import IdleTrim
+
 ROOT = Path(__file__).resolve().parents[2]
 THREADS = 12  # more threads than any bound tested here, fewer than glibc's default (8 per core)
 
@@ -21,7 +23,7 @@ THREADS = 12  # more threads than any bound tested here, fewer than glibc's defa
 CHILD = """
 import ctypes, os, sys, threading
 os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:{cores}])
-from app.server import malloc_arenas, tune_malloc
+from app.malloc import malloc_arenas, tune_malloc
 from app.service import usable_cores
 if {tune}:
     assert tune_malloc()
@@ -70,3 +72,55 @@ def test_arenas_grow_with_the_cores() -> None:
 def test_an_operators_malloc_arena_max_wins() -> None:
     _, _, made = arenas(1, tune=True, env={"MALLOC_ARENA_MAX": "5"})
     assert made == 5
+
+
+# 200 MiB of 64 KiB blocks from the main arena (under the server's 16 MiB mmap threshold), all freed
+# but the last, which pins the heap's top: free() alone can give none of it back. Prints the RSS in kB
+# after the allocation, after the frees, and after trim().
+TRIM_CHILD = """
+from app.malloc import trim, tune_malloc
+def rss():
+    return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmRSS:")))
+assert tune_malloc()
+blocks = [b"x" * (64 << 10) for _ in range(3200)]
+full = rss()
+del blocks[:-1]
+freed = rss()
+assert trim()
+print(full, freed, rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_trim_gives_freed_heap_back() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", TRIM_CHILD], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    full, freed, trimmed = (int(x) for x in done.stdout.split())
+    assert full - freed < 20_000, f"free() gave back {full - freed} kB: nothing was left for the trim"
+    assert freed - trimmed > 150_000, f"the trim gave back {freed - trimmed} kB of 200 MiB freed"
+
+
+def test_idle_trim_trims_once_the_server_has_been_quiet() -> None:
+    done: list[float] = []
+    clock = {"now": 0.0}
+    idle = IdleTrim(1.0, now=0.0, action=lambda: done.append(clock["now"]))
+
+    def poll(now: float, admitted: int, in_flight: int) -> bool:
+        clock["now"] = now
+        return idle.poll(now, admitted, in_flight)
+
+    assert not poll(0.9, 0, 0)  # after boot, 0.9 s quiet
+    assert poll(1.0, 0, 0)  # the boot's warm-up freed its batches: trimmed once
+    assert not poll(9.0, 0, 0)  # nothing since: no second trim
+    assert not poll(9.1, 3, 2)  # a burst comes
+    assert not poll(10.5, 3, 1)  # one request still in flight 1.4 s later: not idle
+    assert not poll(11.4, 3, 0)  # answered; quiet since the last poll that saw it (10.5)
+    assert poll(11.5, 3, 0)
+    assert not poll(20.0, 3, 0)
+    assert done == [1.0, 11.5] and idle.trims == 2
+
+
+def test_idle_trim_of_zero_never_trims() -> None:
+    idle = IdleTrim(0.0, now=0.0, action=lambda: pytest.fail("trimmed"))
+    assert not any(idle.poll(t, 0, 0) for t in (0.0, 1.0, 100.0))

@@ -29,6 +29,7 @@ FAMILIES = {
     "eg2_tokens": "counter",
     "eg2_dropped_items": "counter",
     "eg2_batch_splits": "counter",
+    "eg2_malloc_trims": "counter",
     "eg2_weight_bytes": "gauge",
     "eg2_gpu_memory_bytes": "gauge",
     "eg2_ready": "gauge",

@@ -1,0 +1,104 @@
+"""glibc malloc under a serving load: the mmap threshold, the arena bound, and giving freed heap back
+when the server goes idle. Only `eg2 serve` applies these (app/server.py); where the C library is
+not glibc each is a no-op that says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+
+from app.service import usable_cores
+
+M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
+M_ARENA_MAX = -8
+MMAP_THRESHOLD_BYTES = 16 << 20
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+# glibc malloc arenas. By default a thread that finds the arenas busy gets a new one (up to 8 per
+# core), and each keeps its freed memory: the service's threads (event loop, preprocessing, GPU,
+# torch's) made the RSS jump by 60-100 MB at random points of tests/reliability/test_reliability_load.py's
+# measured phase (+4.5% to +8.7% in a fresh venv; within +-0.4% in 5 runs with 2 arenas). One arena
+# per usable core, not a fixed 2: the tokenizer encodes a batch on one thread per core, each
+# allocating through glibc, and on a 16-core host 16 threads sharing 2 arenas' locks prepared 64
+# docs in 4.0x the time of glibc's defaults (docs/PERF.md, benchmarks/probe_malloc_arenas.py). A
+# 2-core host keeps the 2 arenas the drift was measured with. MALLOC_ARENA_MAX in the environment
+# still wins.
+def malloc_arenas() -> int:
+    """The arena bound tune_malloc sets: one per core this process may use, at least 2."""
+    return max(2, usable_cores())
+
+
+def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Keep glibc from raising its mmap threshold as large tensors are freed, and bound its arenas
+    (malloc_arenas); False where not glibc.
+
+    glibc starts at 128 KiB and, each time an mmapped block is freed, raises the threshold to that
+    block's size (up to 32 MiB). After warm-up's full batches, activations of every later size come
+    from the heap, whose freed space fragments and is rarely returned: under varied batch shapes the
+    RSS crept up 4-15% over a few thousand requests (tests/reliability/test_reliability_load.py). Fixed at 16 MiB,
+    big blocks keep their own mappings and go back to the OS when freed; small ones stay on the heap.
+    """
+    libc = _libc()
+    try:
+        if libc is None:
+            return False
+        if "MALLOC_ARENA_MAX" not in os.environ:
+            libc.mallopt(M_ARENA_MAX, malloc_arenas())
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
+    except AttributeError:
+        return False
+
+
+def trim() -> bool:
+    """Give the arenas' free pages back to the OS (glibc's malloc_trim(0)); whether any went back.
+
+    Blocks under the mmap threshold come from the arenas, and a burst's freed ones stay there,
+    resident, between live blocks that keep the heap from shrinking: after a burst of the reliability
+    suite's mixed load the tiny CPU server held 78-164 MB free in its arenas. malloc_trim releases
+    every free page, in every arena (madvise), while holding each arena's lock in turn: 4-6 ms of one
+    thread for those heaps (docs/RELIABILITY.md)."""
+    libc = _libc()
+    try:
+        return libc is not None and bool(libc.malloc_trim(0))
+    except AttributeError:
+        return False
+
+
+class IdleTrim:
+    """When to trim: once the server has admitted no request for `idle_s`, then not again until
+    requests have come and gone. Polled from the server's tick (every 0.1 s) with the count of
+    requests admitted so far and the number in flight; `idle_s` 0 never trims.
+
+    Trimming only when idle keeps its arena locks away from requests; the price is that the next burst
+    faults those pages in again."""
+
+    def __init__(self, idle_s: float, now: float, action: Callable[[], object] = trim) -> None:
+        self.idle_s = idle_s
+        self.action = action
+        self.trims = 0
+        self._admitted = 0
+        self._quiet_since = now
+        self._pending = True  # the boot's warm-up freed its own batches
+
+    def poll(self, now: float, admitted: int, in_flight: int) -> bool:
+        """Trims (runs `action`) when the server has been idle long enough since its last work; whether it did."""
+        if admitted != self._admitted or in_flight:
+            self._admitted = admitted
+            self._quiet_since = now
+            self._pending = True
+            return False
+        if not self._pending or self.idle_s <= 0 or now - self._quiet_since < self.idle_s:
+            return False
+        self._pending = False
+        self.action()
+        self.trims += 1
+        return True
