@@ -1,15 +1,14 @@
 """glibc malloc under a serving load: the mmap threshold, the arena bound, and giving freed heap back
-when the server goes idle. Only `eg2 serve` applies these (app/server.py); where the C library is
-not glibc each is a no-op that says so.
+when the server goes idle. `eg2 serve`'s process applies these (app/server.py); its media-preparing
+processes and `eg2 serve-ray`'s replicas do not. Where the C library is not glibc, each is a no-op.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
 
-from app.service import usable_cores
+from app.cores import usable_cores
 
 M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 M_ARENA_MAX = -8
@@ -25,9 +24,10 @@ def _libc() -> ctypes.CDLL | None:
 
 # glibc malloc arenas. By default a thread that finds the arenas busy gets a new one (up to 8 per
 # core), and each keeps its freed memory: the service's threads (event loop, preprocessing, GPU,
-# torch's) made the RSS jump by 60-100 MB at random points of tests/reliability/test_reliability_load.py's
-# measured phase (+4.5% to +8.7% in a fresh venv; within +-0.4% in 5 runs with 2 arenas). One arena
-# per usable core, not a fixed 2: the tokenizer encodes a batch on one thread per core, each
+# torch's) made the RSS jump at random points of tests/reliability/test_reliability_load.py's
+# measured phase. Bounded arenas removed the jumps that new arenas made; what the bounded ones keep
+# free is given back by the idle trim below (docs/RELIABILITY.md). One arena per usable core, not a
+# fixed 2: the tokenizer encodes a batch on one thread per core, each
 # allocating through glibc, and on a 16-core host 16 threads sharing 2 arenas' locks prepared 64
 # docs in 4.0x the time of glibc's defaults (docs/PERF.md, benchmarks/probe_malloc_arenas.py). A
 # 2-core host keeps the 2 arenas the drift was measured with. MALLOC_ARENA_MAX in the environment
@@ -58,47 +58,47 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
         return False
 
 
-def trim() -> bool:
-    """Give the arenas' free pages back to the OS (glibc's malloc_trim(0)); whether any went back.
+def available() -> bool:
+    """Whether this process's C library is glibc, with malloc_trim."""
+    libc = _libc()
+    return libc is not None and hasattr(libc, "malloc_trim")
+
+
+def trim() -> None:
+    """Give the arenas' free pages back to the OS (glibc's malloc_trim(0)).
 
     Blocks under the mmap threshold come from the arenas, and a burst's freed ones stay there,
-    resident, between live blocks that keep the heap from shrinking: after a burst of the reliability
-    suite's mixed load the tiny CPU server held 78-164 MB free in its arenas. malloc_trim releases
-    every free page, in every arena (madvise), while holding each arena's lock in turn: 4-6 ms of one
-    thread for those heaps (docs/RELIABILITY.md)."""
+    resident, between live blocks that keep the heap from shrinking. malloc_trim releases every free
+    page of every arena (madvise), holding each arena's lock in turn: its time grows with the free
+    heap, and the next allocations fault those pages in again (docs/RELIABILITY.md). ctypes releases
+    the GIL for the call."""
     libc = _libc()
-    try:
-        return libc is not None and bool(libc.malloc_trim(0))
-    except AttributeError:
-        return False
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 class IdleTrim:
-    """When to trim: once the server has admitted no request for `idle_s`, then not again until
-    requests have come and gone. Polled from the server's tick (every 0.1 s) with the count of
-    requests admitted so far and the number in flight; `idle_s` 0 never trims.
+    """When to trim: once the server has been idle for `idle_s`, and then not again until requests
+    have come and gone. Polled from the server's tick (every 0.1 s) with the count of requests
+    admitted so far and whether any work is still held (requests in flight, items admitted).
 
-    Trimming only when idle keeps its arena locks away from requests; the price is that the next burst
-    faults those pages in again."""
+    Nothing is pending at start: the first trim follows the first burst, so a server that just
+    turned ready is not trimming as its first requests come."""
 
-    def __init__(self, idle_s: float, now: float, action: Callable[[], object] = trim) -> None:
+    def __init__(self, idle_s: float, now: float) -> None:
         self.idle_s = idle_s
-        self.action = action
-        self.trims = 0
         self._admitted = 0
         self._quiet_since = now
-        self._pending = True  # the boot's warm-up freed its own batches
+        self._pending = False
 
-    def poll(self, now: float, admitted: int, in_flight: int) -> bool:
-        """Trims (runs `action`) when the server has been idle long enough since its last work; whether it did."""
-        if admitted != self._admitted or in_flight:
+    def due(self, now: float, admitted: int, busy: bool) -> bool:
+        """Whether to trim now; True once per quiet spell that follows work."""
+        if admitted != self._admitted or busy:
             self._admitted = admitted
             self._quiet_since = now
             self._pending = True
             return False
-        if not self._pending or self.idle_s <= 0 or now - self._quiet_since < self.idle_s:
+        if not self._pending or now - self._quiet_since < self.idle_s:
             return False
         self._pending = False
-        self.action()
-        self.trims += 1
         return True

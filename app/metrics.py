@@ -105,9 +105,10 @@ class Metrics:
             ["kind"],
             registry=r,
         )
-        self.malloc_trims = Counter(
-            "eg2_malloc_trims",
-            "Times the idle server gave its heap's free pages back to the OS (malloc_trim_idle_s)",
+        self.malloc_trim_seconds = Histogram(
+            "eg2_malloc_trim_seconds",
+            "Time of each trim that gave the idle server's free heap back to the OS (malloc_trim_idle_s)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
             registry=r,
         )
         self.ready = Gauge("eg2_ready", "1 once weights are loaded and warm-up ran, 0 otherwise", registry=r)

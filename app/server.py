@@ -12,6 +12,7 @@ cap); `serve` also fits the process's file-descriptor limit to that cap.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import resource
@@ -22,6 +23,7 @@ from typing import NoReturn
 
 import uvicorn
 
+from app import malloc
 from app.connections import ConnectionLimits, Connections, protocol_class
 from app.main import create_app
 from app.malloc import IdleTrim, tune_malloc
@@ -37,7 +39,9 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.service = service
         self.connections = connections
-        self.idle_trim = IdleTrim(service.settings.malloc_trim_idle_s, time.monotonic())
+        idle_s = service.settings.malloc_trim_idle_s
+        self.idle_trim = IdleTrim(idle_s, time.monotonic()) if idle_s > 0 and malloc.available() else None
+        self._trimming = False
         self._signalled = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -50,13 +54,26 @@ class Server(uvicorn.Server):
         self.service.begin_drain_threadsafe()
 
     async def on_tick(self, counter: int) -> bool:
-        """uvicorn's loop calls this every 0.1 s: also gives an idle server's freed heap back (app/malloc.py)."""
+        """uvicorn's loop calls this every 0.1 s: also starts the idle server's trim (app/malloc.py)."""
         service = self.service
-        if service.state is State.READY and self.idle_trim.poll(
-            time.monotonic(), service.admitted, service.active
+        if (
+            self.idle_trim is not None
+            and not self._trimming
+            and service.state is State.READY
+            and self.idle_trim.due(time.monotonic(), service.requests_admitted, service.holds_work())
         ):
-            service.metrics.malloc_trims.inc()
+            # On a thread: the trim takes longer the more heap is free, and a request may come meanwhile.
+            self._trimming = True
+            asyncio.get_running_loop().run_in_executor(None, self._trim)
         return await super().on_tick(counter) or service.should_exit
+
+    def _trim(self) -> None:
+        start = time.perf_counter()
+        try:
+            malloc.trim()
+        finally:
+            self.service.metrics.malloc_trim_seconds.observe(time.perf_counter() - start)
+            self._trimming = False
 
     @property
     def port(self) -> int:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from app.batcher import JOIN_TIMEOUT_S, Batcher, Embedded, Threads
+from app.cores import usable_cores
 from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
 from app.schemas import InputRequest
@@ -139,22 +140,6 @@ def load_engine(settings: Settings) -> EngineAPI:
     return engine
 
 
-def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
-    """The cores this process may use: its CPU affinity, capped by its cgroup's CPU quota where one
-    is set (a container given `--cpus 4` on a 64-core host sees 64 cores in its affinity)."""
-    cores = len(os.sched_getaffinity(0))
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-    except (OSError, ValueError):
-        return cores
-    if quota == "max":
-        return cores
-    try:
-        return max(1, min(cores, int(quota) // max(1, int(period))))
-    except ValueError:
-        return cores
-
-
 GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
 GPU_MEMORY_KINDS = {
     "process": "process_gpu_bytes",
@@ -177,7 +162,7 @@ class Service:
         self.should_exit = False  # polled by the server loop
         self.exit_code = 0
         self.active = 0  # embedding requests admitted past the readiness gate, not yet answered
-        self.admitted = 0  # every such request so far (the idle trim watches it, app/malloc.py)
+        self.requests_admitted = 0  # every such request so far
         self._engine = engine
         self._batcher: Batcher | None = None
         self._loader: Threads | None = None  # the GPU thread, until the Batcher takes it over
@@ -377,7 +362,7 @@ class Service:
     async def _timed(self, work: Coroutine[Any, Any, T]) -> T:
         """`work` under the request timeout (503 past it), counted as in flight for the drain."""
         self.active += 1
-        self.admitted += 1
+        self.requests_admitted += 1
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 return await work
@@ -385,6 +370,11 @@ class Service:
             raise Unavailable(f"request timed out after {self.settings.request_timeout_s:g} s") from None
         finally:
             self.active -= 1
+
+    def holds_work(self) -> bool:
+        """Whether any request is in flight or any item still holds the admission limit (a request
+        that timed out or lost its client may leave items preparing or on the GPU)."""
+        return self.active > 0 or (self._batcher is not None and self._batcher.admitted > 0)
 
     def health_problem(self) -> str | None:
         if self.state is State.FAILED:

@@ -399,15 +399,15 @@ class Settings(BaseSettings):
     )
 
     malloc_trim_idle_s: float = Field(
-        default=1.0,
+        default=10.0,
         ge=0,
-        description="Once no request has come for this long, give the memory that the last burst freed "
-        "back to the OS (glibc's malloc_trim; `eg2_malloc_trims_total` counts them), once per burst. "
-        "glibc keeps freed small blocks resident between live ones: after bursts of mixed load "
-        "the tiny CPU server's RSS stood 8-10% above where a trim brought it (docs/RELIABILITY.md). "
-        "Each trim holds the heap's locks for a few ms while the server is idle, and the next burst "
-        "faults those pages in again; shorter returns memory sooner, at more trims between close "
-        "bursts. 0 never trims.",
+        description="Once no request has come and none is held for this long, `eg2 serve` gives the memory "
+        "the last burst freed back to the OS (glibc's malloc_trim, on a thread; the "
+        "`eg2_malloc_trim_seconds` histogram times each), once per burst. glibc keeps freed small "
+        "blocks resident between live ones, so without it the RSS stays at the largest burst's "
+        "level. The first request after a trim faults some of those pages in again, a little slower "
+        "(both measured in docs/RELIABILITY.md). Shorter returns memory sooner, but traffic with "
+        "gaps just over it pays that on every request. 0 never trims.",
     )
 
     # --- Security --------------------------------------------------------------------------------

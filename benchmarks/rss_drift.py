@@ -27,8 +27,6 @@ from tests.reliability.test_reliability_load import (
     Reference,
     drained,
     phase,
-    scrape,
-    total,
     trimmed_rss_kb,
 )
 from tests.support.load import Serve
@@ -66,19 +64,19 @@ def main() -> None:
     ):
         for i in range(n):
             reference[kind, i]
-    with Serve(["--model", str(model), "--device", "cpu", "--log-level", "warning"]) as server:
+    serve = ["--model", str(model), "--device", "cpu", "--log-level", "warning", "--malloc-trim-idle-s", "1"]
+    with Serve(serve) as server:
         server.wait_ready()
         done = 0
         for n in [FIRST_PHASE] + [args.requests] * args.phases:
-            trims = total(scrape(server.url), "eg2_malloc_trims_total")
             phase(server, reference, done, n)
             done += n
-            drained(server)
+            metrics = drained(server)
             print(
                 f"after {done} requests: RSS {server.rss_kb()} kB {rss_by_mapping(server.proc.pid)}",
                 flush=True,
             )
-            rss, _ = trimmed_rss_kb(server, trims)
+            rss = trimmed_rss_kb(server, metrics)
             print(f"  trimmed: RSS {rss} kB {rss_by_mapping(server.proc.pid)}", flush=True)
 
 

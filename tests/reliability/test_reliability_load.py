@@ -176,7 +176,10 @@ class Reference:
         return None
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str) -> Metrics:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -185,7 +188,7 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def total(samples_: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+def total(samples_: Metrics, name: str, **labels: str) -> float:
     return sum(
         v for (n, ls), v in samples_.items() if n == name and all((k, w) in ls for k, w in labels.items())
     )
@@ -193,8 +196,19 @@ def total(samples_: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
 
 @pytest.fixture(scope="module")
 def server(tiny_bf16: Path) -> Iterator[Serve]:
-    """Default settings but the device: the CPU token budget, 64 items, 2 ms delay, admission 4096."""
-    with Serve(["--model", str(tiny_bf16), "--device", "cpu", "--log-level", "warning"]) as s:
+    """Default settings but the device and a 1 s idle trim: the CPU token budget, 64 items, 2 ms delay,
+    admission 4096."""
+    args = [
+        "--model",
+        str(tiny_bf16),
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        "--malloc-trim-idle-s",
+        "1",
+    ]
+    with Serve(args) as s:
         yield s.wait_ready()
 
 
@@ -233,16 +247,18 @@ def phase(server: Serve, reference: Reference, first: int, n: int) -> LoadResult
     return result
 
 
-def trimmed_rss_kb(server: Serve, trims_before: float, timeout_s: float = 15.0) -> tuple[int, float]:
-    """(RSS, trims so far) once the idle server has trimmed its heap again (malloc_trim_idle_s)."""
+def trimmed_rss_kb(server: Serve, drained_metrics: Metrics, timeout_s: float = 15.0) -> int:
+    """The RSS once the idle server has trimmed its heap after the phase that `drained_metrics` (scraped
+    as it ended, before any trim could follow it) closed."""
+    before = total(drained_metrics, "eg2_malloc_trim_seconds_count")
     deadline = time.monotonic() + timeout_s
-    while (trims := total(scrape(server.url), "eg2_malloc_trims_total")) <= trims_before:
+    while total(scrape(server.url), "eg2_malloc_trim_seconds_count") <= before:
         assert time.monotonic() < deadline, "the idle server never trimmed its heap"
         time.sleep(0.1)
-    return server.rss_kb(), trims
+    return server.rss_kb()
 
 
-def drained(server: Serve) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def drained(server: Serve) -> Metrics:
     metrics = scrape(server.url)
     assert total(metrics, "eg2_queue_depth") == 0, "items left in the queues"
     assert total(metrics, "eg2_admitted_items") == 0, "items still admitted after every answer"
@@ -252,14 +268,13 @@ def drained(server: Serve) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
 
 @pytest.mark.slow
 def test_mixed_load_is_answered_correctly_and_leaks_nothing(server: Serve, reference: Reference) -> None:
-    trims = total(scrape(server.url), "eg2_malloc_trims_total")  # perhaps 1: the idle server's after boot
     warm = phase(server, reference, 0, WARM_REQUESTS)
     after_warm = drained(server)
-    (rss0, trims), fds0 = trimmed_rss_kb(server, trims), server.settled_fds()
+    rss0, fds0 = trimmed_rss_kb(server, after_warm), server.settled_fds()
 
     measured = phase(server, reference, WARM_REQUESTS, MEASURED_REQUESTS)
     after = drained(server)
-    (rss1, _), fds1 = trimmed_rss_kb(server, trims), server.settled_fds()
+    rss1, fds1 = trimmed_rss_kb(server, after), server.settled_fds()
     print(f"RSS {rss0} -> {rss1} kB ({(rss1 - rss0) / rss0:+.2%}); open fds {fds0} -> {fds1}")
 
     # Nothing lost: the server counted exactly the answers the clients received.

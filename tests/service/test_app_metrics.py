@@ -29,7 +29,7 @@ FAMILIES = {
     "eg2_tokens": "counter",
     "eg2_dropped_items": "counter",
     "eg2_batch_splits": "counter",
-    "eg2_malloc_trims": "counter",
+    "eg2_malloc_trim_seconds": "histogram",
     "eg2_weight_bytes": "gauge",
     "eg2_gpu_memory_bytes": "gauge",
     "eg2_ready": "gauge",
@@ -197,7 +197,7 @@ def test_media_preparing_processes_where_there_are_media_to_prepare() -> None:
         service._engine = engine
         return service.prepare_processes()
 
-    from app.service import usable_cores
+    from app.cores import usable_cores
 
     cores = usable_cores()
     assert count(GpuReportingEngine(modalities=("text",)), preprocess_processes=4) == 0
@@ -208,7 +208,7 @@ def test_media_preparing_processes_where_there_are_media_to_prepare() -> None:
 
 def test_usable_cores_read_the_cgroup_quota(tmp_path: Path) -> None:
     """A container's CPU quota caps the cores the default process count is sized from."""
-    from app.service import usable_cores
+    from app.cores import usable_cores
 
     affinity = len(os.sched_getaffinity(0))
     quota = tmp_path / "cpu.max"

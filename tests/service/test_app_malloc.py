@@ -1,0 +1,71 @@
+"""The idle server's trim (app/malloc.py, wired in app/server.py): when it comes, and that it comes
+once per burst, never while work is held. The trim's own effect on the heap is tested in
+tests/reliability/test_reliability_malloc.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from app import malloc
+from app.malloc import IdleTrim
+from tests.support.fake_engine import FakeEngine, live, make_settings
+
+
+def test_the_policy_trims_once_per_quiet_spell_after_work() -> None:
+    idle = IdleTrim(1.0, now=0.0)
+    assert not idle.due(5.0, 0, False), "nothing is pending at start: no trim as the first requests come"
+    assert not idle.due(5.1, 3, True)  # a burst
+    assert not idle.due(6.5, 3, True)  # still held 1.4 s later: not idle
+    assert not idle.due(7.4, 3, False)  # quiet since the last poll that saw work (6.5)
+    assert idle.due(7.5, 3, False)
+    assert not idle.due(20.0, 3, False), "one trim per quiet spell"
+    assert not idle.due(20.1, 4, False)  # one request came and went between two polls
+    assert idle.due(21.1, 4, False)
+
+
+def trims(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return float(
+        next(
+            line.split()[-1] for line in text.splitlines() if line.startswith("eg2_malloc_trim_seconds_count")
+        )
+    )
+
+
+def embed(url: str) -> None:
+    assert httpx.post(url + "/v1/embeddings", json={"input": "a"}, timeout=10).status_code == 200
+
+
+@pytest.mark.skipif(not malloc.available(), reason="glibc's malloc_trim")
+def test_the_server_trims_after_a_burst_and_not_while_a_request_runs() -> None:
+    idle_s = 0.3
+    engine = FakeEngine(embed_delay_s=1.0)
+    with live(make_settings(malloc_trim_idle_s=idle_s), engine) as s:
+        time.sleep(2 * idle_s)
+        assert trims(s.url) == 0, "trimmed before any request"
+
+        # One request held on the engine for 1 s, 3x idle_s: no trim until it is answered.
+        slow = threading.Thread(target=embed, args=(s.url,))
+        slow.start()
+        time.sleep(0.8)
+        assert trims(s.url) == 0, "trimmed while a request was in flight"
+        slow.join()
+        answered = time.monotonic()
+        deadline = answered + 5
+        while trims(s.url) == 0:
+            assert time.monotonic() < deadline, "the idle server never trimmed"
+            time.sleep(0.02)
+        assert time.monotonic() - answered >= idle_s - 0.1  # the tick polls every 0.1 s
+        time.sleep(3 * idle_s)
+        assert trims(s.url) == 1, "trimmed again with no request since"
+
+
+def test_zero_never_trims() -> None:
+    with live(make_settings(malloc_trim_idle_s=0)) as s:
+        embed(s.url)
+        time.sleep(0.5)
+        assert trims(s.url) == 0
