@@ -6,7 +6,9 @@ processes and `eg2 serve-ray`'s replicas do not. Where the C library is not glib
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import time
 
 from app.cores import usable_cores
 
@@ -15,6 +17,7 @@ M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 16 << 20
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL("libc.so.6")
@@ -64,23 +67,26 @@ def available() -> bool:
     return libc is not None and hasattr(libc, "malloc_trim")
 
 
-def trim() -> None:
-    """Give the arenas' free pages back to the OS (glibc's malloc_trim(0)).
+def trim() -> float:
+    """Give the arenas' free pages back to the OS (glibc's malloc_trim(0)); the seconds it took.
 
     Blocks under the mmap threshold come from the arenas, and a burst's freed ones stay there,
     resident, between live blocks that keep the heap from shrinking. malloc_trim releases every free
     page of every arena (madvise), holding each arena's lock in turn: its time grows with the free
     heap, and the next allocations fault those pages in again (docs/RELIABILITY.md). ctypes releases
     the GIL for the call."""
+    start = time.perf_counter()
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
+    return time.perf_counter() - start
 
 
 class IdleTrim:
     """When to trim: once the server has been idle for `idle_s`, and then not again until requests
-    have come and gone. Polled from the server's tick (every 0.1 s) with the count of requests
-    admitted so far and whether any work is still held (requests in flight, items admitted).
+    have come and gone. Polled from the server's tick (every 0.1 s while the server is ready and no
+    trim runs) with the count of requests admitted so far and whether any work is still held
+    (Service.holds_work).
 
     Nothing is pending at start: the first trim follows the first burst, so a server that just
     turned ready is not trimming as its first requests come."""

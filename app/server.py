@@ -62,18 +62,29 @@ class Server(uvicorn.Server):
             and service.state is State.READY
             and self.idle_trim.due(time.monotonic(), service.requests_admitted, service.holds_work())
         ):
-            # On a thread: the trim takes longer the more heap is free, and a request may come meanwhile.
-            self._trimming = True
-            asyncio.get_running_loop().run_in_executor(None, self._trim)
+            self._start_trim()
         return await super().on_tick(counter) or service.should_exit
 
-    def _trim(self) -> None:
-        start = time.perf_counter()
+    def _start_trim(self) -> None:
+        """The trim on the loop's executor: it takes longer the more heap is free, and a request may
+        come meanwhile. One at a time; a trim that cannot start or fails is logged, never raised into
+        uvicorn's loop."""
         try:
-            malloc.trim()
-        finally:
-            self.service.metrics.malloc_trim_seconds.observe(time.perf_counter() - start)
-            self._trimming = False
+            future = asyncio.get_running_loop().run_in_executor(None, malloc.trim)
+        except RuntimeError as exc:  # no thread could start, or the executor is shutting down
+            log.warning("malloc trim not started: %s", exc)
+            return
+        self._trimming = True
+        future.add_done_callback(self._trimmed)
+
+    def _trimmed(self, future: asyncio.Future[float]) -> None:
+        self._trimming = False
+        if future.cancelled():
+            return
+        if (error := future.exception()) is not None:
+            log.warning("malloc trim failed: %r", error)
+            return
+        self.service.metrics.malloc_trim_seconds.observe(future.result())
 
     @property
     def port(self) -> int:

@@ -372,9 +372,13 @@ class Service:
             self.active -= 1
 
     def holds_work(self) -> bool:
-        """Whether any request is in flight or any item still holds the admission limit (a request
-        that timed out or lost its client may leave items preparing or on the GPU)."""
-        return self.active > 0 or (self._batcher is not None and self._batcher.admitted > 0)
+        """Whether an embedding or tokenize request is in flight, items wait for the GPU, or a GPU call
+        runs (a request that timed out or lost its client may leave its batch running; its decoding
+        stops at its cancel flag)."""
+        batcher = self._batcher
+        return self.active > 0 or (
+            batcher is not None and (batcher.queued() > 0 or batcher.stalled_for() > 0)
+        )
 
     def health_problem(self) -> str | None:
         if self.state is State.FAILED:

@@ -401,8 +401,8 @@ class Settings(BaseSettings):
     malloc_trim_idle_s: float = Field(
         default=10.0,
         ge=0,
-        description="Once no request has come and none is held for this long, `eg2 serve` gives the memory "
-        "the last burst freed back to the OS (glibc's malloc_trim, on a thread; the "
+        description="Once no embedding or tokenize request has come, and no work is held, for this long, "
+        "`eg2 serve` gives the memory the last burst freed back to the OS (glibc's malloc_trim, on a thread; the "
         "`eg2_malloc_trim_seconds` histogram times each), once per burst. glibc keeps freed small "
         "blocks resident between live ones, so without it the RSS stays at the largest burst's "
         "level. The first request after a trim faults some of those pages in again, a little slower "

@@ -28,6 +28,7 @@ from tests.reliability.test_reliability_load import (
     drained,
     phase,
     trimmed_rss_kb,
+    trims,
 )
 from tests.support.load import Serve
 
@@ -69,14 +70,15 @@ def main() -> None:
         server.wait_ready()
         done = 0
         for n in [FIRST_PHASE] + [args.requests] * args.phases:
+            before = trims(server)
             phase(server, reference, done, n)
             done += n
-            metrics = drained(server)
+            drained(server)
             print(
                 f"after {done} requests: RSS {server.rss_kb()} kB {rss_by_mapping(server.proc.pid)}",
                 flush=True,
             )
-            rss = trimmed_rss_kb(server, metrics)
+            rss = trimmed_rss_kb(server, before)
             print(f"  trimmed: RSS {rss} kB {rss_by_mapping(server.proc.pid)}", flush=True)
 
 

@@ -6,8 +6,8 @@ After a trim the heap's free pages are gone, and the next request's allocations 
 Two `eg2 serve` processes on the tiny demo checkpoint, default settings but the trim: one trims after
 `--idle-s` of quiet (malloc_trim_idle_s), the other never (0). Each round, on each server in turn
 (the order alternating): a burst of tests/reliability/test_reliability_load.py's mixed load (300
-requests, 128 clients), a pause of `--idle-s` + 1.5 s (the first server trims in it), then one
-single-text request and a second one, each timed at the client. Prints each side's medians and the
+requests, 128 clients), a pause of `--idle-s` + 1.5 s (the first server trims in it, which is
+checked), then one single-text request and a second one, each timed at the client. Prints each side's medians and the
 median of the rounds' ratios (trim / no trim).
 """
 
@@ -23,7 +23,15 @@ from pathlib import Path
 import httpx
 
 from eg2_runtime.tools.demo_model import write_demo_model
-from tests.reliability.test_reliability_load import AUDIO, CONTENT_ITEMS, IMAGES, TEXTS, Reference, phase
+from tests.reliability.test_reliability_load import (
+    AUDIO,
+    CONTENT_ITEMS,
+    IMAGES,
+    TEXTS,
+    Reference,
+    phase,
+    trims,
+)
 from tests.support.load import Serve
 
 BURST = 300
@@ -79,13 +87,14 @@ def main() -> None:
             side: stack.enter_context(httpx.Client(base_url=s.wait_ready().url, timeout=30))
             for side, s in servers.items()
         }
-        done = 0
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for side in order:
-                phase(servers[side], reference, done, BURST)
-                done += BURST
+                before = trims(servers[side])
+                phase(servers[side], reference, r * BURST, BURST)  # both sides: the same requests
                 time.sleep(args.idle_s + 1.5)
+                trimmed = trims(servers[side]) > before
+                assert trimmed == (side == "trim"), f"{side}: trimmed {trimmed}"
                 first[side].append(timed_ms(clients[side]))
                 second[side].append(timed_ms(clients[side]))
     for side in sides:

@@ -247,12 +247,15 @@ def phase(server: Serve, reference: Reference, first: int, n: int) -> LoadResult
     return result
 
 
-def trimmed_rss_kb(server: Serve, drained_metrics: Metrics, timeout_s: float = 15.0) -> int:
-    """The RSS once the idle server has trimmed its heap after the phase that `drained_metrics` (scraped
-    as it ended, before any trim could follow it) closed."""
-    before = total(drained_metrics, "eg2_malloc_trim_seconds_count")
+def trims(server: Serve) -> float:
+    return total(scrape(server.url), "eg2_malloc_trim_seconds_count")
+
+
+def trimmed_rss_kb(server: Serve, trims_before: float, timeout_s: float = 15.0) -> int:
+    """The RSS once the idle server has trimmed its heap since `trims_before` was read (before the
+    phase: under load the server is never idle long enough to trim)."""
     deadline = time.monotonic() + timeout_s
-    while total(scrape(server.url), "eg2_malloc_trim_seconds_count") <= before:
+    while trims(server) <= trims_before:
         assert time.monotonic() < deadline, "the idle server never trimmed its heap"
         time.sleep(0.1)
     return server.rss_kb()
@@ -268,13 +271,15 @@ def drained(server: Serve) -> Metrics:
 
 @pytest.mark.slow
 def test_mixed_load_is_answered_correctly_and_leaks_nothing(server: Serve, reference: Reference) -> None:
+    before = trims(server)
     warm = phase(server, reference, 0, WARM_REQUESTS)
     after_warm = drained(server)
-    rss0, fds0 = trimmed_rss_kb(server, after_warm), server.settled_fds()
+    rss0, fds0 = trimmed_rss_kb(server, before), server.settled_fds()
 
+    before = trims(server)
     measured = phase(server, reference, WARM_REQUESTS, MEASURED_REQUESTS)
     after = drained(server)
-    rss1, fds1 = trimmed_rss_kb(server, after), server.settled_fds()
+    rss1, fds1 = trimmed_rss_kb(server, before), server.settled_fds()
     print(f"RSS {rss0} -> {rss1} kB ({(rss1 - rss0) / rss0:+.2%}); open fds {fds0} -> {fds1}")
 
     # Nothing lost: the server counted exactly the answers the clients received.
