@@ -18,7 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.middleware import AuthMiddleware, BodyMiddleware, RequestContextMiddleware, public_paths
-from app.routes import router
+from app.routes import bare_routes, router
 from app.schemas import EmbeddingRequest, TokenizeRequest
 from app.service import Service
 from app.settings import Settings
@@ -55,6 +55,7 @@ def create_app(settings: Settings, engine: EngineAPI | None = None) -> FastAPI:
     app.state.service = service
     install_error_handlers(app)
     app.include_router(router)
+    app.router.routes[:0] = bare_routes()  # matched first: the hot route without FastAPI's handling
 
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(
