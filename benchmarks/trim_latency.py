@@ -5,10 +5,10 @@
 After a trim the heap's free pages are gone, and the next request's allocations fault them in again.
 Two `eg2 serve` processes on the tiny demo checkpoint, default settings but the trim: one trims after
 `--idle-s` of quiet (malloc_trim_idle_s), the other never (0). Each round, on each server in turn
-(the order alternating): a burst of tests/reliability/test_reliability_load.py's mixed load (300
-requests, 128 clients), a pause of `--idle-s` + 1.5 s (the first server trims in it, which is
-checked), then one single-text request and a second one, each timed at the client. Prints each side's medians and the
-median of the rounds' ratios (trim / no trim).
+(the order alternating): the same burst of tests/reliability/test_reliability_load.py's mixed load
+(300 requests, 128 clients), a pause of `--idle-s` + 1.5 s (the first server trims in it, which is
+checked), then one single-text request and a second one, each timed at the client. Prints each
+side's medians and the median of the rounds' ratios (trim / no trim).
 """
 
 from __future__ import annotations
