@@ -201,6 +201,8 @@ async def _on_http(request: Request, exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """The handlers never read the request body: a BareRoute's errors reach them with the Request the
+    app's ExceptionMiddleware built, whose body was not kept (app/bare_route.py)."""
     app.add_exception_handler(AppError, _on_app_error)
     app.add_exception_handler(EG2Error, _on_app_error)
     app.add_exception_handler(ValidationError, _on_pydantic)

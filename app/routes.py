@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 import eg2_runtime
+from app.bare_route import BareRoute
 from app.errors import ClientGone, Unavailable, error_body
 from app.media import MediaResolver
 from app.schemas import (
@@ -135,6 +134,8 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -
 )
 @router.post("/embeddings", response_model=EmbeddingResponse, include_in_schema=False)
 async def create_embeddings(request: Request) -> Response:
+    # Also served by a BareRoute (bare_routes): the Request is its only parameter, and it uses no
+    # FastAPI dependency (app/bare_route.py).
     # The service read here, not injected: FastAPI's dependency solving, per request, is a
     # measurable share of the service's own CPU on its hot routes (docs/PERF.md).
     service = service_of(request)
@@ -165,29 +166,12 @@ async def create_embeddings(request: Request) -> Response:
     return Response(content, media_type="application/json", headers=headers)
 
 
-class BareEndpoint:
-    """A route's handler as a bare ASGI app: `handler(request) -> Response`, without FastAPI's request
-    handling around it (its request-response wrapper, dependency solving and route-level exception
-    wrapper), a measurable share of the service's CPU per request on the embeddings route
-    (docs/PERF.md). Errors still raise through to the app's exception handlers, as from a FastAPI
-    route. Starlette runs an endpoint that is not a function as an ASGI app."""
-
-    def __init__(self, path: str, handler: Callable[[Request], Awaitable[Response]]) -> None:
-        self.path = path  # what the request metrics label by (middleware.route_template)
-        self.handler = handler
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope["route"] = self
-        response = await self.handler(Request(scope, receive))
-        await response(scope, receive, send)
-
-
-def bare_routes() -> list[Route]:
-    """POST /v1/embeddings and /embeddings as BareEndpoints, to be matched before the router's FastAPI
-    routes of the same paths. Those stay: they document the endpoint in the OpenAPI schema, and are
-    the reference path that tests/service/test_app_bare_route.py proves these answer the same as."""
+def bare_routes() -> list[BareRoute]:
+    """POST /v1/embeddings and /embeddings without FastAPI's request handling (app/bare_route.py), for
+    create_app to match before the router's FastAPI routes of the same paths; those stay, for the
+    OpenAPI schema and as the reference path (tests/service/test_app_bare_route.py)."""
     return [
-        Route(path, endpoint=BareEndpoint(path, create_embeddings), methods=["POST"])
+        BareRoute(path, create_embeddings, name=f"create_embeddings_bare{path.replace('/', '_')}")
         for path in ("/v1/embeddings", "/embeddings")
     ]
 

@@ -1,7 +1,7 @@
-"""The embeddings route's fast path (routes.BareEndpoint, matched before FastAPI's route of the same
-paths) answers exactly as its reference, the FastAPI route: two live servers on the same fake engine,
-one with the bare routes taken out, get the same requests, and must give the same status, headers and
-body, success or error."""
+"""The embeddings route's fast path (app/bare_route.py, matched before FastAPI's route of the same
+paths) answers exactly as its reference, the FastAPI route: two live servers, each on a fake engine,
+one built without the bare routes, get the same requests, and must give the same status, headers and
+body, success or error. And the fast path is the one that serves."""
 
 from __future__ import annotations
 
@@ -11,14 +11,17 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import Request
+from starlette.responses import Response
 
-from app.routes import BareEndpoint
+import app.main
+from app.bare_route import BareRoute
 from tests.support.fake_engine import FakeEngine, image_part, live, make_settings
 
 # Headers that differ between any two answers: the request id, timings, the date.
 VARYING = {"x-request-id", "x-queue-time-ms", "x-inference-time-ms", "date"}
 
-CASES: list[tuple[str, str, dict[str, str], bytes]] = [
+POSTS: list[tuple[str, str, dict[str, str], bytes]] = [
     ("one text", "/v1/embeddings", {}, json.dumps({"input": "a river", "model": "eg2"}).encode()),
     (
         "texts, base64, 256 dims",
@@ -44,38 +47,69 @@ CASES: list[tuple[str, str, dict[str, str], bytes]] = [
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[str, str]]:
+def servers() -> Iterator[tuple[Any, Any]]:
     settings = make_settings(max_request_items=8)
-    with live(settings, FakeEngine()) as fast, live(settings, FakeEngine()) as reference:
-        routes = reference.app.router.routes
-        routes[:] = [r for r in routes if not isinstance(getattr(r, "endpoint", None), BareEndpoint)]
-        assert len(routes) == len(fast.app.router.routes) - 2
-        yield fast.url, reference.url
+    with live(settings, FakeEngine()) as fast, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(app.main, "bare_routes", list)  # the reference: FastAPI's routes alone
+        with live(settings, FakeEngine()) as reference:
+            assert not any(isinstance(r, BareRoute) for r in reference.app.router.routes)
+            yield fast, reference
 
 
-def answer(url: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, str], Any]:
-    response = httpx.post(url + path, content=body, headers={"content-type": "application/json", **headers})
+def answer(
+    url: str, method: str, path: str, headers: dict[str, str], body: bytes
+) -> tuple[int, dict[str, str], str]:
+    response = httpx.request(
+        method, url + path, content=body, headers={"content-type": "application/json", **headers}
+    )
     kept = {k: v for k, v in response.headers.items() if k not in VARYING}
-    return response.status_code, kept, response.json()
+    return response.status_code, kept, response.text
 
 
-@pytest.mark.parametrize(("name", "path", "headers", "body"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("name", "path", "headers", "body"), POSTS, ids=[c[0] for c in POSTS])
 def test_the_bare_route_answers_as_the_fastapi_route(
-    servers: tuple[str, str], name: str, path: str, headers: dict[str, str], body: bytes
+    servers: tuple[Any, Any], name: str, path: str, headers: dict[str, str], body: bytes
 ) -> None:
     fast, reference = servers
-    assert answer(fast, path, headers, body) == answer(reference, path, headers, body)
+    assert answer(fast.url, "POST", path, headers, body) == answer(reference.url, "POST", path, headers, body)
 
 
-def test_the_bare_route_serves_and_is_counted_under_its_route(servers: tuple[str, str]) -> None:
+@pytest.mark.parametrize("method", ["GET", "HEAD", "PUT", "OPTIONS"])
+def test_other_methods_get_the_same_405(servers: tuple[Any, Any], method: str) -> None:
+    fast, reference = servers
+    got = answer(fast.url, method, "/v1/embeddings", {}, b"")
+    assert got[0] == 405 and got == answer(reference.url, method, "/v1/embeddings", {}, b"")
+
+
+def test_the_bare_route_is_the_one_serving_and_counted_under_its_path(
+    servers: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     fast, _ = servers
-    assert httpx.get(fast + "/v1/embeddings").status_code == 405  # POST only, as the FastAPI route
-    before = _served(fast)
-    assert httpx.post(fast + "/v1/embeddings", json={"input": "a"}).status_code == 200
-    assert _served(fast) == before + 1
+    served: list[str] = []
+    for route in fast.app.router.routes:
+        if isinstance(route, BareRoute):
+            endpoint: Any = route.endpoint
+
+            async def counting(request: Request, handler: Any = endpoint.handler) -> Response:
+                served.append(request.url.path)
+                response: Response = await handler(request)
+                return response
+
+            monkeypatch.setattr(endpoint, "handler", counting)
+    before = _served(fast.url, "/v1/embeddings"), _served(fast.url, "/embeddings")
+    for path in ("/v1/embeddings", "/embeddings"):
+        assert httpx.post(fast.url + path, json={"input": "a"}).status_code == 200
+    assert served == ["/v1/embeddings", "/embeddings"]
+    assert (_served(fast.url, "/v1/embeddings"), _served(fast.url, "/embeddings")) == (
+        before[0] + 1,
+        before[1] + 1,
+    )
 
 
-def _served(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    prefix = 'eg2_requests_total{route="/v1/embeddings",status="200"}'
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+def _served(url: str, route: str) -> float:
+    prefix = f'eg2_requests_total{{route="{route}",status="200"}}'
+    return sum(
+        float(line.split()[-1])
+        for line in httpx.get(url + "/metrics").text.splitlines()
+        if line.startswith(prefix)
+    )
