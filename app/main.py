@@ -75,7 +75,9 @@ def create_app(settings: Settings, engine: EngineAPI | None = None) -> FastAPI:
             allow_headers=["authorization", "content-type", "x-request-id"],
             expose_headers=["x-request-id", "x-queue-time-ms", "x-inference-time-ms"],
         )
-    app.add_middleware(RequestContextMiddleware, metrics=metrics, routes=app.routes)
+    app.add_middleware(
+        RequestContextMiddleware, metrics=metrics, routes=app.routes, access_log=settings.access_log
+    )
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

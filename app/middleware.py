@@ -1,6 +1,6 @@
 """Pure ASGI middleware, outermost first:
 
-    RequestContext  request id (echoed or generated), access log, request metrics by route (a request
+    RequestContext  request id (echoed or generated), access log (access_log), request metrics by route (a request
                     refused before routing counts under the route it was for), last-resort 500
     CORS            only when origins are configured (starlette's)
     Auth            bearer key on every path but the public ones, constant-time compare
@@ -73,12 +73,13 @@ def route_template(scope: Scope, routes: Sequence[Any]) -> str:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute], access_log: bool) -> None:
         self.app = app
         self.metrics = metrics
         # Built with the middleware stack, at the first request: every route is in by then. Included
         # routers are flattened into their routes (FastAPI's own walk).
         self.routes = list(iter_route_contexts(routes))
+        self.access_log = access_log  # settings.access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -113,17 +114,18 @@ class RequestContextMiddleware:
         finally:
             status = status or 499  # no answer sent: the client left while its body was being read
             self.metrics.requests.labels(route_template(scope, self.routes), str(status)).inc()
-            access_log.info(
-                "%s %s %d",
-                scope["method"],
-                scope["path"],
-                status,
-                extra={
-                    "request_id": request_id,
-                    "status": status,
-                    "ms": round((time.monotonic() - start) * 1000, 2),
-                },
-            )
+            if self.access_log:
+                access_log.info(
+                    "%s %s %d",
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    extra={
+                        "request_id": request_id,
+                        "status": status,
+                        "ms": round((time.monotonic() - start) * 1000, 2),
+                    },
+                )
             request_id_var.reset(token)
 
 

@@ -457,6 +457,13 @@ class Settings(BaseSettings):
         description="One JSON object per log line (with the request id), for log shippers; off prints plain "
         "text for a terminal.",
     )
+    access_log: bool = Field(
+        default=True,
+        description="One info line per request: method, path, status, milliseconds and request id. Off "
+        "saves the service about a tenth of its CPU per short request (docs/PERF.md), which is what "
+        "caps single-text requests/s; the request counters in /metrics remain. At log_level warning "
+        "or above there are none either way.",
+    )
 
     @field_validator("api_key", "model", "media_dir", mode="before")
     @classmethod

@@ -6,6 +6,12 @@
                                                           of the commit before a change, served side by side)
     python -m benchmarks.server_cpu --floor              (beside benchmarks/bare_server.py: uvicorn and FastAPI
                                                           alone, and uvicorn with a bare ASGI callable)
+    python -m benchmarks.server_cpu --base-setting log_level=info
+                                                         (A/B of a setting: this checkout twice, the base side
+                                                          with EG2_LOG_LEVEL=info; --setting sets this side's)
+
+Both sides log at `warning` unless a setting says otherwise (at `info` each request writes an access
+log line); each server's log goes to a file of its own, as a container runtime's would.
 
 Three loads, each after an untimed warm-up: single-text requests at 1 and at 32 concurrent clients,
 and 32-text requests at 8. With --against or --floor, the servers run at once (idle while another is
@@ -24,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,17 +70,28 @@ def main() -> None:
         "--floor", action="store_true", help="also serve benchmarks/bare_server.py, both ways"
     )
     parser.add_argument("--rounds", type=int, default=3, help="alternations per load with a second side")
+    parser.add_argument(
+        "--setting", action="append", default=[], help="KEY=VALUE: an EG2_ setting of this side"
+    )
+    parser.add_argument(
+        "--base-setting", action="append", default=[], help="KEY=VALUE: an EG2_ setting of the base side"
+    )
     args = parser.parse_args()
-    sides = {"this": ROOT} | ({"base": args.against.resolve()} if args.against else {})
+    base = args.against.resolve() if args.against else ROOT if args.base_setting else None
+    sides = {"this": ROOT} | ({"base": base} if base is not None else {})
+    settings = {"this": dict(kv.split("=", 1) for kv in args.setting)}
+    settings["base"] = dict(kv.split("=", 1) for kv in args.base_setting)
+    logs = Path(tempfile.mkdtemp(prefix="server_cpu-"))
     rounds = max(1, args.rounds) if len(sides) > 1 or args.floor else 1
     with contextlib.ExitStack() as stack:
         servers = {}
         for side, root in sides.items():
             port = free_port()
-            cmd, env = fake_engine_server(port)
+            cmd, env = fake_engine_server(port, **settings[side])
             cmd[1] = str(root / "tests" / "support" / "fake_engine.py")  # it imports the app beside it
             url = f"http://127.0.0.1:{port}"
-            servers[side] = (url, stack.enter_context(running(cmd, env, url)).pid)
+            log = stack.enter_context((logs / f"{side}.log").open("wb"))
+            servers[side] = (url, stack.enter_context(running(cmd, env, url, stderr=log)).pid)
         for side, flags in (("floor", []), ("asgi", ["--raw"])) if args.floor else ():
             port = free_port()
             url = f"http://127.0.0.1:{port}"
