@@ -43,7 +43,6 @@ class BareRoute(Route):
         super().__init__(
             path, endpoint=_Endpoint(handler), methods=["POST"], name=name, include_in_schema=False
         )
-        self.handler = handler
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
         # As FastAPI's routes do (its router leaves it to them): the request metrics label a request,

@@ -30,11 +30,10 @@ def _libc() -> ctypes.CDLL | None:
 # torch's) made the RSS jump at random points of tests/reliability/test_reliability_load.py's
 # measured phase. Bounded arenas removed the jumps that new arenas made; what the bounded ones keep
 # free is given back by the idle trim below (docs/RELIABILITY.md). One arena per usable core, not a
-# fixed 2: the tokenizer encodes a batch on one thread per core, each
-# allocating through glibc, and on a 16-core host 16 threads sharing 2 arenas' locks prepared 64
-# docs in 4.0x the time of glibc's defaults (docs/PERF.md, benchmarks/probe_malloc_arenas.py). A
-# 2-core host keeps the 2 arenas the drift was measured with. MALLOC_ARENA_MAX in the environment
-# still wins.
+# fixed 2: the tokenizer encodes a batch on one thread per core, each allocating through glibc, and
+# 16 threads sharing 2 arenas' locks made a 16-core host prepare short docs several times slower
+# (docs/PERF.md, benchmarks/probe_malloc_arenas.py). A 2-core host keeps 2 arenas. MALLOC_ARENA_MAX
+# in the environment still wins.
 def malloc_arenas() -> int:
     """The arena bound tune_malloc sets: one per core this process may use, at least 2."""
     return max(2, usable_cores())
@@ -47,8 +46,8 @@ def tune_malloc(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     glibc starts at 128 KiB and, each time an mmapped block is freed, raises the threshold to that
     block's size (up to 32 MiB). After warm-up's full batches, activations of every later size come
     from the heap, whose freed space fragments and is rarely returned: under varied batch shapes the
-    RSS crept up 4-15% over a few thousand requests (tests/reliability/test_reliability_load.py). Fixed at 16 MiB,
-    big blocks keep their own mappings and go back to the OS when freed; small ones stay on the heap.
+    RSS crept up over a few thousand requests (docs/RELIABILITY.md). Fixed at 16 MiB, big blocks keep
+    their own mappings and go back to the OS when freed; small ones stay on the heap.
     """
     libc = _libc()
     try:
@@ -85,7 +84,7 @@ def trim() -> float:
 class IdleTrim:
     """When to trim: once the server has been idle for `idle_s`, and then not again until requests
     have come and gone. Polled from the server's tick (every 0.1 s while the server is ready and no
-    trim runs) with the count of requests admitted so far and whether any work is still held
+    trim runs) with the count of requests started so far and whether any work is still held
     (Service.holds_work).
 
     Nothing is pending at start: the first trim follows the first burst, so a server that just
@@ -93,14 +92,14 @@ class IdleTrim:
 
     def __init__(self, idle_s: float, now: float) -> None:
         self.idle_s = idle_s
-        self._admitted = 0
+        self._requests = 0
         self._quiet_since = now
         self._pending = False
 
-    def due(self, now: float, admitted: int, busy: bool) -> bool:
+    def due(self, now: float, requests: int, busy: bool) -> bool:
         """Whether to trim now; True once per quiet spell that follows work."""
-        if admitted != self._admitted or busy:
-            self._admitted = admitted
+        if requests != self._requests or busy:
+            self._requests = requests
             self._quiet_since = now
             self._pending = True
             return False

@@ -1,7 +1,8 @@
 """Pure ASGI middleware, outermost first:
 
-    RequestContext  request id (echoed or generated), access log (access_log), request metrics by route (a request
-                    refused before routing counts under the route it was for), last-resort 500
+    RequestContext  request id (echoed or generated), access log (settings.access_log), request
+                    metrics by route (a request refused before routing counts under the route it
+                    was for), last-resort 500
     CORS            only when origins are configured (starlette's)
     Auth            bearer key on every path but the public ones, constant-time compare
     Body            the whole body read up front: 413 past the byte limit (from Content-Length, or while
@@ -79,7 +80,7 @@ class RequestContextMiddleware:
         # Built with the middleware stack, at the first request: every route is in by then. Included
         # routers are flattened into their routes (FastAPI's own walk).
         self.routes = list(iter_route_contexts(routes))
-        self.access_log = access_log  # settings.access_log
+        self.log_access = access_log  # settings.access_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,7 +115,7 @@ class RequestContextMiddleware:
         finally:
             status = status or 499  # no answer sent: the client left while its body was being read
             self.metrics.requests.labels(route_template(scope, self.routes), str(status)).inc()
-            if self.access_log:
+            if self.log_access:
                 access_log.info(
                     "%s %s %d",
                     scope["method"],

@@ -60,7 +60,7 @@ class Server(uvicorn.Server):
             self.idle_trim is not None
             and not self._trimming
             and service.state is State.READY
-            and self.idle_trim.due(time.monotonic(), service.requests_admitted, service.holds_work())
+            and self.idle_trim.due(time.monotonic(), service.requests_started, service.holds_work())
         ):
             self._start_trim()
         return await super().on_tick(counter) or service.should_exit

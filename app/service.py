@@ -162,7 +162,7 @@ class Service:
         self.should_exit = False  # polled by the server loop
         self.exit_code = 0
         self.active = 0  # embedding requests admitted past the readiness gate, not yet answered
-        self.requests_admitted = 0  # every such request so far
+        self.requests_started = 0  # every such request so far, refused by the batcher or not
         self._engine = engine
         self._batcher: Batcher | None = None
         self._loader: Threads | None = None  # the GPU thread, until the Batcher takes it over
@@ -362,7 +362,7 @@ class Service:
     async def _timed(self, work: Coroutine[Any, Any, T]) -> T:
         """`work` under the request timeout (503 past it), counted as in flight for the drain."""
         self.active += 1
-        self.requests_admitted += 1
+        self.requests_started += 1
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
                 return await work

@@ -407,7 +407,8 @@ class Settings(BaseSettings):
         "blocks resident between live ones, so without it the RSS stays at the largest burst's "
         "level. The first request after a trim faults some of those pages in again, a little slower "
         "(both measured in docs/RELIABILITY.md). Shorter returns memory sooner, but traffic with "
-        "gaps just over it pays that on every request. 0 never trims.",
+        "gaps just over it pays that on every request. 0 never trims. `eg2 serve-ray`'s replicas "
+        "never trim.",
     )
 
     # --- Security --------------------------------------------------------------------------------
@@ -460,8 +461,9 @@ class Settings(BaseSettings):
     access_log: bool = Field(
         default=True,
         description="One info line per request: method, path, status, milliseconds and request id. Off "
-        "saves the service about a tenth of its CPU per short request (docs/PERF.md), which is what "
-        "caps single-text requests/s; the request counters in /metrics remain. At log_level warning "
+        "saves a measurable share of the service's CPU per short request (docs/PERF.md), which is what "
+        "caps single-text requests/s, but loses that per-request record: which request got which "
+        "status, and how long it took; the request counters in /metrics remain. At log_level warning "
         "or above there are none either way.",
     )
 

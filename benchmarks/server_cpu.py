@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from app.settings import Settings
 from benchmarks.http_load import burst
 from benchmarks.server_process import ROOT, cpu_seconds, fake_engine_server, free_port, running
 
@@ -61,6 +62,18 @@ def measure(url: str, pid: int, body: bytes, concurrency: int, count: int) -> tu
     return count / wall, used / count
 
 
+def parse_settings(parser: argparse.ArgumentParser, pairs: list[str]) -> dict[str, str]:
+    """KEY=VALUE pairs, each KEY a field of app.settings.Settings (pydantic-settings ignores an
+    unknown EG2_ variable, so a misspelt key would measure nothing)."""
+    settings = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in Settings.model_fields:
+            parser.error(f"{pair!r}: expected KEY=VALUE with KEY a setting (app/settings.py)")
+        settings[key] = value
+    return settings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -79,15 +92,18 @@ def main() -> None:
     args = parser.parse_args()
     base = args.against.resolve() if args.against else ROOT if args.base_setting else None
     sides = {"this": ROOT} | ({"base": base} if base is not None else {})
-    settings = {"this": dict(kv.split("=", 1) for kv in args.setting)}
-    settings["base"] = dict(kv.split("=", 1) for kv in args.base_setting)
+    settings = {
+        "this": parse_settings(parser, args.setting),
+        "base": parse_settings(parser, args.base_setting),
+    }
     logs = Path(tempfile.mkdtemp(prefix="server_cpu-"))
+    print(f"server logs: {logs}", flush=True)
     rounds = max(1, args.rounds) if len(sides) > 1 or args.floor else 1
     with contextlib.ExitStack() as stack:
         servers = {}
         for side, root in sides.items():
             port = free_port()
-            cmd, env = fake_engine_server(port, **settings[side])
+            cmd, env = fake_engine_server(port, 0.0, **settings[side])
             cmd[1] = str(root / "tests" / "support" / "fake_engine.py")  # it imports the app beside it
             url = f"http://127.0.0.1:{port}"
             log = stack.enter_context((logs / f"{side}.log").open("wb"))

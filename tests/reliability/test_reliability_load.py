@@ -7,7 +7,7 @@ at a time; anything else must be a documented 429 or 503. A first phase warms th
 caches; the second is measured: its RSS and open descriptors must end within 5% of their level after
 the first, and the queue must drain to zero. RSS is read after each phase once the idle server has
 trimmed its heap (app/malloc.py): before the trim it holds what the largest batches so far freed,
-which jumped by up to 10% at random points of later phases (`python -m benchmarks.rss_drift`).
+which jumps at random points of later phases (`python -m benchmarks.rss_drift`, docs/RELIABILITY.md).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The server's glibc malloc (app/malloc.py): its trim gives freed heap back, and its arena bound
 (tune_malloc) is one arena per usable core, at least 2, where an operator's MALLOC_ARENA_MAX wins.
-The arenas are counted from glibc itself: the main thread has the main arena, each other thread's first allocation takes a new one until the bound is reached (so T threads
-make min(bound, T + 1)), and malloc_stats() prints one "Arena N:" per arena. The bound is computed
-in the child, pinned to `cores` CPUs, against its own usable_cores() (a cgroup quota caps it)."""
+The arenas are counted from glibc itself: the main thread has the main arena, each other thread's
+first allocation takes a new one until the bound is reached (so T threads make min(bound, T + 1)),
+and malloc_stats() prints one "Arena N:" per arena. The bound is computed in the child, pinned to
+`cores` CPUs, against its own usable_cores() (a cgroup quota caps it)."""
 
 from __future__ import annotations
 

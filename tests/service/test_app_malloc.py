@@ -93,3 +93,18 @@ def test_a_failing_trim_is_logged_and_the_server_serves_on(monkeypatch: pytest.M
                 time.sleep(0.02)
         assert trims(s.url) == 0
         embed(s.url)
+
+
+@pytest.mark.skipif(not malloc.available(), reason="glibc's malloc_trim")
+def test_no_trim_while_a_timed_out_requests_batch_still_runs() -> None:
+    """The request is answered 503 at its timeout, but its batch keeps the GPU thread for 2 s: the
+    server is not idle until that call returns."""
+    engine = FakeEngine(embed_delay_s=2.0, modalities=("text",))
+    with live(make_settings(malloc_trim_idle_s=0.3, request_timeout_s=0.3), engine) as s:
+        assert httpx.post(s.url + "/v1/embeddings", json={"input": "a"}, timeout=10).status_code == 503
+        time.sleep(1.2)  # the request is gone; the GPU call runs to ~2 s
+        assert s.service.active == 0 and trims(s.url) == 0, "trimmed while a GPU call ran"
+        deadline = time.monotonic() + 5
+        while trims(s.url) == 0:
+            assert time.monotonic() < deadline, "the idle server never trimmed"
+            time.sleep(0.05)
