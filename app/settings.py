@@ -405,9 +405,9 @@ class Settings(BaseSettings):
         "`eg2 serve` gives the memory the last burst freed back to the OS (glibc's malloc_trim, on a thread; the "
         "`eg2_malloc_trim_seconds` histogram times each), once per burst. glibc keeps freed small "
         "blocks resident between live ones, so without it the RSS stays at the largest burst's "
-        "level. The first request after a trim faults some of those pages in again, a little slower "
-        "(both measured in docs/RELIABILITY.md). Shorter returns memory sooner, but traffic with "
-        "gaps just over it pays that on every request. 0 never trims. `eg2 serve-ray`'s replicas "
+        "level (docs/RELIABILITY.md). The first request after a trim faults some of those pages in "
+        "again; on the dev machine that was within the noise of a first request after a pause. "
+        "Shorter returns memory sooner, at more trims between bursts. 0 never trims. `eg2 serve-ray`'s replicas "
         "never trim.",
     )
 
