@@ -20,10 +20,6 @@ from pathlib import Path
 
 from eg2_runtime.tools.demo_model import write_demo_model
 from tests.reliability.test_reliability_load import (
-    AUDIO,
-    CONTENT_ITEMS,
-    IMAGES,
-    TEXTS,
     Reference,
     drained,
     phase,
@@ -56,15 +52,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model = write_demo_model(Path(tempfile.mkdtemp()), size="tiny", seed=0, dtype="bfloat16")
-    reference = Reference(model)
-    for kind, n in (
-        ("text", len(TEXTS)),
-        ("image", len(IMAGES)),
-        ("audio", len(AUDIO)),
-        ("content", CONTENT_ITEMS),
-    ):
-        for i in range(n):
-            reference[kind, i]
+    reference = Reference(model).embed_every_item()
     serve = ["--model", str(model), "--device", "cpu", "--log-level", "warning", "--malloc-trim-idle-s", "1"]
     with Serve(serve) as server:
         server.wait_ready()

@@ -24,10 +24,6 @@ import httpx
 
 from eg2_runtime.tools.demo_model import write_demo_model
 from tests.reliability.test_reliability_load import (
-    AUDIO,
-    CONTENT_ITEMS,
-    IMAGES,
-    TEXTS,
     Reference,
     phase,
     trims,
@@ -53,15 +49,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model = write_demo_model(Path(tempfile.mkdtemp()), size="tiny", seed=0, dtype="bfloat16")
-    reference = Reference(model)
-    for kind, n in (
-        ("text", len(TEXTS)),
-        ("image", len(IMAGES)),
-        ("audio", len(AUDIO)),
-        ("content", CONTENT_ITEMS),
-    ):
-        for i in range(n):
-            reference[kind, i]
+    reference = Reference(model).embed_every_item()
     sides = {"trim": args.idle_s, "no trim": 0.0}
     first: dict[str, list[float]] = {side: [] for side in sides}
     second: dict[str, list[float]] = {side: [] for side in sides}

@@ -134,6 +134,19 @@ class Reference:
         self.engine = Engine.from_dir(model_dir, device="cpu")
         self._cache: dict[tuple[str, int], tuple[np.ndarray, int]] = {}
 
+    def embed_every_item(self) -> Reference:
+        """Every item of the mix, computed now: the check runs on the load generator's event loop, and
+        a forward pass there would stall every client (and idle their keep-alive connections)."""
+        for kind, n in (
+            ("text", len(TEXTS)),
+            ("image", len(IMAGES)),
+            ("audio", len(AUDIO)),
+            ("content", CONTENT_ITEMS),
+        ):
+            for i in range(n):
+                self[kind, i]
+        return self
+
     def __getitem__(self, key: tuple[str, int]) -> tuple[np.ndarray, int]:
         if key not in self._cache:
             prepared = self.engine.prepare(_item(key), OPTIONS)
@@ -214,18 +227,7 @@ def server(tiny_bf16: Path) -> Iterator[Serve]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_bf16: Path) -> Reference:
-    ref = Reference(tiny_bf16)
-    # Every item of the mix, before the run: the check runs on the load generator's event loop, and a
-    # forward pass there would stall every client (and idle their keep-alive connections).
-    for kind, n in (
-        ("text", len(TEXTS)),
-        ("image", len(IMAGES)),
-        ("audio", len(AUDIO)),
-        ("content", CONTENT_ITEMS),
-    ):
-        for i in range(n):
-            ref[kind, i]
-    return ref
+    return Reference(tiny_bf16).embed_every_item()
 
 
 def phase(server: Serve, reference: Reference, first: int, n: int) -> LoadResult:
