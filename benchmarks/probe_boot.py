@@ -73,6 +73,7 @@ def shapes(factory: Factory) -> dict[str, tuple[list[Item], PrepareOptions]]:
         "4 images": ([image] * 4, PrepareOptions()),
         "16 images": ([image] * 16, PrepareOptions()),
         "1 clip": ([clip], PrepareOptions()),
+        "8 clips": ([clip] * 8, PrepareOptions()),
         "16 clips": ([clip] * 16, PrepareOptions()),
         "clip 30": ([Item((MediaPart("audio", samples.wav(30.0)),))], PrepareOptions()),
         "video 8": ([Item((MediaPart("video", samples.mp4(8, width=640, height=480)),))], PrepareOptions()),
