@@ -78,10 +78,10 @@ def _high_priority_unpack_stream() -> None:
 
     import torch
 
-    from eg2_runtime import quant
+    from eg2_runtime import quant, streams
     from eg2_runtime.gpu_memory import cudart
 
-    plain = quant.side_stream
+    plain = streams.side_stream
 
     def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
         if purpose != "unpack":
@@ -97,7 +97,7 @@ def _high_priority_unpack_stream() -> None:
         print(f"unpack stream priority {greatest.value} (least {least.value})", flush=True)
         return torch.cuda.ExternalStream(raw.value, device=device)
 
-    quant.side_stream = side_stream  # type: ignore[assignment]
+    setattr(quant, "side_stream", side_stream)  # the name quant.py imported; its Unpacker calls it
 
 
 def main(argv: list[str] | None = None) -> int:
