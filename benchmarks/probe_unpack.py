@@ -97,7 +97,7 @@ def _high_priority_unpack_stream() -> None:
         print(f"unpack stream priority {greatest.value} (least {least.value})", flush=True)
         return torch.cuda.ExternalStream(raw.value, device=device)
 
-    quant.side_stream = side_stream  # the name quant.py imported; its Unpacker calls it
+    vars(quant)["side_stream"] = side_stream  # the name quant.py imported; its Unpacker calls it
 
 
 def main(argv: list[str] | None = None) -> int:
