@@ -99,6 +99,15 @@ class GraphPool:
     measured: the traffic asked for it, and the eager share's margin absorbs an overshoot (the
     process peaks stayed under the 2,000 MiB budget with every capture kept).
 
+    A capture on first use (nothing to follow) that its estimate refuses, with room left in the
+    budget, is tried instead, under an allocator cap of that room (`room_cap`, from the engine): the
+    estimates are peaks of a forward alone, and the pool's free blocks often hold most of it (H100,
+    2026-12-06, `eg2 bench`: the 8-clip audio bucket, estimated at 208 MiB, was refused by 4 MiB in
+    the packed engine's 474 MiB pool, and the BF16 engine's 492 MiB pool captured it for at most 16
+    MiB; the packed batch of 8 clips then ran 16.7 against 13.4 ms). The capture either fits the
+    room, or the cap stops it midway and the bucket is refused; either way the pool stays within its
+    budget, so the eager share keeps its room.
+
     Past the budget, a capture that adds only its executable is still admitted within OVERDRAFT:
     measured captures overshoot their estimates, and one overshoot must not refuse every bucket after
     it, the small ones included (H200, 2026-12-03, text graphs capped at 2,560 tokens: the pool
@@ -111,6 +120,7 @@ class GraphPool:
         budget: int | None,
         read: Callable[[], int | None] | None = None,
         grew: Callable[[], None] | None = None,
+        room_cap: Callable[[int], AbstractContextManager[Any]] | None = None,
     ) -> None:
         # A MemPool rather than a bare graph-pool handle: each capture's warm-up run allocates in it
         # too (capture_graph), so the capture reuses the warm-up's blocks instead of adding its own
@@ -122,6 +132,9 @@ class GraphPool:
         # device memory outside the allocator, so the engine caps the allocator again from the
         # process's memory now (Engine._cap_allocator), and the process stays within its budget.
         self.grew = grew
+        # Caps the allocator at what it holds now plus the bytes given, for the length of a trial
+        # capture (Engine._room_cap); None: no trials, an estimate that does not fit refuses.
+        self.room_cap = room_cap
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest: dict[str, int] = {}  # per kind, the largest estimate among its captures
         # Whether the last refusal only kept room for captures to follow (`then`), measuring
@@ -147,6 +160,14 @@ class GraphPool:
             return True
         room = OVERDRAFT if self.reuses(estimate, kind) and not then else 0
         return self.used + self.need(estimate, kind) + then * GRAPH_EXECUTABLE <= self.budget + room
+
+    def trial_room(self, then: int) -> int:
+        """The bytes a capture refused by its estimate may still take when tried under a cap: the
+        budget's room less an executable, for a capture on first use (`then` 0) where a cap can be
+        set; 0 where none is tried."""
+        if then or self.room_cap is None or self.budget is None:
+            return 0
+        return max(0, self.budget - self.used - GRAPH_EXECUTABLE)
 
     def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
@@ -200,14 +221,23 @@ class GraphPool:
         stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
         None) comes back. `then` and `kind`: see `admits` and `need`."""
         self.deferrable = False
+        room = 0
         if not self.admits(estimate, then, kind):
-            self.deferrable = bool(then)
-            return None
+            room = self.trial_room(then) if run else 0
+            if not room:
+                self.deferrable = bool(then)
+                return None
         if not run:
             self._took(estimate, self.need(estimate, kind), kind)
             return None, inputs(), None
         try:
-            return self._capture(step, inputs, estimate, around, then, kind)
+            if not room:
+                return self._capture(step, inputs, estimate, around, then, kind)
+            assert self.room_cap is not None
+            with self.room_cap(room):
+                got = self._capture(step, inputs, estimate, around, then, kind)
+            log.info("a %s capture its estimate refused was tried: %s", kind, "kept" if got else "stopped")
+            return got
         finally:
             if self.grew is not None:
                 self.grew()

@@ -8,7 +8,7 @@
   BF16 gap comes from;
 - the packed forward (block masks built inside, compiled flex) captured in a CUDA graph and replayed
   after the packing changes in place: equal to an eager run of the new layout, and replays repeat;
-- qkv_norm_rope gives the same bits under every launch tile on the GPU, warps included (Triton's
+- qkv_norm_rope within one rounding under every launch tile on the GPU, warps included (Triton's
   CPU interpreter, where tests/runtime/test_rope_triton.py checks it, ignores the warp count).
 Figures go to the --results directory as JSON.
 """
@@ -269,10 +269,15 @@ QKV_SHAPES = [(2544, 4, 2, 256), (2544, 4, 1, 512), (37, 4, 2, 256), (19, 4, 1, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_qkv_norm_rope_tile_does_not_change_bits(dtype: torch.dtype) -> None:
-    """The served tile against the earlier default, a mid one and one token a program: each
-    output bit for bit the same."""
+def test_qkv_norm_rope_tile_changes_at_most_the_last_bit(results: Path | None, dtype: torch.dtype) -> None:
+    """The served tile against the earlier default, a mid one and one token a program: each output
+    within one rounding of the served one's. The warp count sets how a head's sum of squares is
+    reduced, so the bits may differ (H100, 2026-12-06: the one-token tile (256, 4) differed from the
+    served one on the 64 docs' sliding-layer shape; (4096, 8) and (2048, 4) did not there). Which
+    tiles gave the served bits is recorded."""
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
     g = torch.Generator(device=DEVICE).manual_seed(0)
+    same: dict[str, bool] = {}
     for n, heads, kv, hd in QKV_SHAPES:
         qkv = (torch.randn(n, (heads + 2 * kv) * hd, device=DEVICE, generator=g) * 4).to(dtype)
         q_weight, k_weight = (torch.randn(hd, device=DEVICE, generator=g) for _ in range(2))
@@ -285,4 +290,13 @@ def test_qkv_norm_rope_tile_does_not_change_bits(dtype: torch.dtype) -> None:
         served = outputs[QKV_TILE]
         for tile, out in outputs.items():
             for name, a, b in zip("qkv", served, out, strict=True):
-                assert torch.equal(a, b), ((n, heads, kv, hd), tile, name)
+                where = f"{(n, heads, kv, hd)} {tile} {name}"
+                torch.testing.assert_close(b, a, **tol, msg=lambda m, where=where: f"{where}: {m}")
+            same[f"{(n, heads, kv, hd)} {tile}"] = all(
+                torch.equal(a, b) for a, b in zip(served, out, strict=True)
+            )
+    record(
+        results,
+        f"qkv_tiles_{str(dtype).removeprefix('torch.')}",
+        {"served": str(QKV_TILE), "bit_identical": same},
+    )

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,28 @@ def test_past_its_budget_the_pool_admits_executables_within_the_overdraft() -> N
         n += 1
     assert n == OVERDRAFT // GRAPH_EXECUTABLE
     assert graphs.used == big + GRAPH_EXECUTABLE + OVERDRAFT
+
+
+def test_a_capture_its_estimate_refuses_is_tried_on_first_use_within_the_room() -> None:
+    """On first use a capture the estimate refuses may still be tried, under a cap of the budget's
+    room less its executable (the GPU suite runs the trial itself); a start-up capture (`then`), a
+    pool without a cap and an unbounded one never try; a full pool has no room to try in."""
+    mib = 1 << 20
+    caps: list[int] = []
+    graphs = GraphPool(100 * mib, room_cap=lambda room: contextlib.nullcontext(caps.append(room)))
+    assert graphs.reserve(40 * mib)
+    assert not graphs.admits(80 * mib), "the estimate does not fit"
+    assert graphs.used == 40 * mib + GRAPH_EXECUTABLE
+    assert graphs.trial_room(then=0) == 60 * mib - 2 * GRAPH_EXECUTABLE, "the room, less an executable"
+    assert graphs.trial_room(then=2) == 0, "the start-up set keeps its rule"
+    assert GraphPool(100 * mib).trial_room(then=0) == 0, "no cap, no trial"
+    assert GraphPool(None, room_cap=lambda room: contextlib.nullcontext()).trial_room(then=0) == 0
+    full = GraphPool(100 * mib, room_cap=lambda room: contextlib.nullcontext())
+    assert full.reserve(100 * mib - GRAPH_EXECUTABLE)
+    assert full.trial_room(then=0) == 0
+    # Where nothing is captured (run=False: the CPU's padded eager steps), the estimate still rules.
+    assert graphs.capture(lambda: None, lambda: [], 80 * mib, run=False) is None
+    assert caps == [] and graphs.used == 40 * mib + GRAPH_EXECUTABLE
 
 
 def test_a_capture_of_another_kind_counts_its_whole_estimate() -> None:
