@@ -268,7 +268,7 @@ class GraphPool:
         """The capture, measured; `room` > 0: a trial, under an allocator cap of `room` more bytes,
         set after `_now` has emptied the cache (cached eager blocks would otherwise count as room)."""
         before = self._now()
-        stream = torch.cuda.current_stream()
+        stream = torch.cuda.current_stream() if room else None  # a trial's to set back
         capped = self.room_cap(room) if room and self.room_cap is not None else contextlib.nullcontext()
         stopped = False
         try:
@@ -280,7 +280,7 @@ class GraphPool:
         except RuntimeError as e:
             # Out of memory inside the capture itself can surface as the capture's own error, with
             # the capture stream left current: a trial then stops there as at the cap.
-            if not room:
+            if stream is None:
                 raise
             torch.cuda.set_stream(stream)
             log.warning("%s capture tried past its estimate failed: %s", kind, e)
