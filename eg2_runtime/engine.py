@@ -216,7 +216,6 @@ class Engine:
         single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
         self.gpu_memory = gpu_memory or ProcessGpuMemory()
         self.plan: MemoryPlan | None = None
-        self._cap_fraction = 1.0  # of the device's memory: the allocator's cap (_cap_allocator)
         self.graphs: GraphedTextEncoder | None = None
         self.packed: PackedTextGraphs | None = None
         self._eager_text = False  # warm-up: text runs without graphs, as batches no graph holds
@@ -237,9 +236,7 @@ class Engine:
         # taking memory past the budget. Graph pools count too.
         self._cap_allocator()
         # The text and the tower graphs' one pool; the allocator's cap follows each capture.
-        pool = GraphPool(
-            self.plan.graph_pool, self._process_bytes, grew=self._cap_allocator, room_cap=self._room_cap
-        )
+        pool = GraphPool(self.plan.graph_pool, self._process_bytes, grew=self._cap_allocator)
         costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
@@ -344,21 +341,7 @@ class Engine:
         if (now := self._process_bytes()) is not None:
             base = max(base, now - torch.cuda.memory_reserved(self.device) + BASE_MARGIN)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        self._cap_fraction = min(1.0, (self.plan.budget - base) / total)
-        torch.cuda.set_per_process_memory_fraction(self._cap_fraction, self.device)
-
-    @contextlib.contextmanager
-    def _room_cap(self, room: int) -> Iterator[None]:
-        """Cap the allocator at what it holds now plus `room` bytes (never past the budget's cap),
-        for a graph capture tried beyond its estimate (GraphPool): it then fits, or stops at the cap
-        with the pool inside its budget. The budget's cap comes back after."""
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        fraction = (torch.cuda.memory_reserved(self.device) + room) / total
-        torch.cuda.set_per_process_memory_fraction(min(fraction, self._cap_fraction), self.device)
-        try:
-            yield
-        finally:
-            self._cap_allocator()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (self.plan.budget - base) / total), self.device)
 
     def _place_table(self, host: bool) -> None:
         """The token table in pinned host memory or on the device, the load report to match."""

@@ -46,11 +46,6 @@ BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)
 # of them, taken from the eager share's fragmentation margin (memory_plan.EAGER_MARGIN: ~130 MiB of
 # the 2,000 MiB default's 454 MiB eager share).
 OVERDRAFT = 8 * GRAPH_EXECUTABLE
-# How far past the pool's room an estimate may reach and still be tried on first use (GraphPool.
-# trial_room). The estimates are a forward's peak alone, and a capture reuses the pool's free blocks:
-# H100, 2026-12-06, the 8-clip audio bucket's 208 MiB estimate missed a 204 MiB room, and the same
-# capture in a larger pool added at most 16 MiB; the 4-image bucket missed 244 MiB by 22.
-TRIAL_REACH = 1.25
 # What one replay costs beyond its own tokens, counted in padded tokens: a short bucket's replay is
 # bound by its launches (H200, 2026-12-01, benchmarks/probe_boot.py: one query 4.1 ms, 32 texts padded
 # to 4,096 tokens 10.5 ms: ~1.6 us a token, ~4 ms a replay), so a longer rung's one replay beats many
@@ -90,9 +85,8 @@ class GraphPool:
 
     What each capture really added is measured, as the process's GPU memory where NVML can read it
     (else the allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is
-    captured while that total plus what it may add fits the budget (or, on first use, where a trial
-    under the room's cap fits: below). Past it the bucket is refused, and batches take smaller
-    buckets in more replays (or a longer rung's). `budget` None: no bound.
+    captured while that total plus what it may add fits the budget. Past it the bucket is refused,
+    and batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
 
     A start-up capture (one with `then` smaller ones to follow) that leaves too little room for
     their executables is dropped again (what it left behind stays counted) and its bucket refused,
@@ -104,17 +98,6 @@ class GraphPool:
     again, with nothing to follow. A capture on first use is kept as
     measured: the traffic asked for it, and the eager share's margin absorbs an overshoot (the
     process peaks stayed under the 2,000 MiB budget with every capture kept).
-
-    A capture on first use (nothing to follow) that its estimate refuses by a near miss (TRIAL_REACH)
-    is tried instead, under an allocator cap of the room left (`room_cap`, from the engine): the
-    estimates are peaks of a forward alone, and the pool's free blocks often hold most of it (H100,
-    2026-12-06, `eg2 bench`: the 8-clip audio bucket, estimated at 208 MiB, was refused by 4 MiB in
-    the packed engine's 474 MiB pool, and the BF16 engine's 492 MiB pool captured it for at most 16
-    MiB; the packed batch of 8 clips then ran 16.7 against 13.4 ms). The cap is set once the cache is
-    emptied, so only the room counts: the capture either fits it, or the cap stops it midway and the
-    bucket is refused, what it left counted; the pool stays within its budget (past it by no more
-    than a capture's executable, which the allocator does not see), so the eager share keeps its
-    room.
 
     Past the budget, a capture that adds only its executable is still admitted within OVERDRAFT:
     measured captures overshoot their estimates, and one overshoot must not refuse every bucket after
@@ -128,7 +111,6 @@ class GraphPool:
         budget: int | None,
         read: Callable[[], int | None] | None = None,
         grew: Callable[[], None] | None = None,
-        room_cap: Callable[[int], AbstractContextManager[Any]] | None = None,
     ) -> None:
         # A MemPool rather than a bare graph-pool handle: each capture's warm-up run allocates in it
         # too (capture_graph), so the capture reuses the warm-up's blocks instead of adding its own
@@ -140,9 +122,6 @@ class GraphPool:
         # device memory outside the allocator, so the engine caps the allocator again from the
         # process's memory now (Engine._cap_allocator), and the process stays within its budget.
         self.grew = grew
-        # Caps the allocator at what it holds now plus the bytes given, for the length of a trial
-        # capture (Engine._room_cap); None: no trials, an estimate that does not fit refuses.
-        self.room_cap = room_cap
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest: dict[str, int] = {}  # per kind, the largest estimate among its captures
         # Whether the last refusal only kept room for captures to follow (`then`), measuring
@@ -168,17 +147,6 @@ class GraphPool:
             return True
         room = OVERDRAFT if self.reuses(estimate, kind) and not then else 0
         return self.used + self.need(estimate, kind) + then * GRAPH_EXECUTABLE <= self.budget + room
-
-    def trial_room(self, estimate: int, then: int) -> int:
-        """The bytes a capture refused by its estimate may still take when tried under a cap: the
-        budget's room less an executable, for a capture on first use (`then` 0) where a cap can be
-        set, and a near miss (an estimate at most TRIAL_REACH times the room); 0 where none is tried.
-        A trial stopped at the cap leaves about the room behind in the pool, free to later captures
-        but counted, so only a capture likely to fit is tried."""
-        if then or self.room_cap is None or self.budget is None:
-            return 0
-        room = max(0, self.budget - self.used - GRAPH_EXECUTABLE)
-        return room if estimate <= TRIAL_REACH * room else 0
 
     def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
@@ -232,25 +200,14 @@ class GraphPool:
         stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
         None) comes back. `then` and `kind`: see `admits` and `need`."""
         self.deferrable = False
-        room = 0
         if not self.admits(estimate, then, kind):
-            room = self.trial_room(estimate, then) if run else 0
-            if not room:
-                self.deferrable = bool(then)
-                return None
+            self.deferrable = bool(then)
+            return None
         if not run:
             self._took(estimate, self.need(estimate, kind), kind)
             return None, inputs(), None
         try:
-            got = self._capture(step, inputs, estimate, around, then, kind, room)
-            if room:
-                log.info(
-                    "%s capture tried past its estimate (%.0f MiB of room): %s",
-                    kind,
-                    room / 2**20,
-                    "kept" if got else "stopped at the room",
-                )
-            return got
+            return self._capture(step, inputs, estimate, around, then, kind)
         finally:
             if self.grew is not None:
                 self.grew()
@@ -263,29 +220,12 @@ class GraphPool:
         around: Callable[[], AbstractContextManager[Any]],
         then: int,
         kind: str,
-        room: int = 0,
     ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
-        """The capture, measured; `room` > 0: a trial, under an allocator cap of `room` more bytes,
-        set after `_now` has emptied the cache (cached eager blocks would otherwise count as room)."""
         before = self._now()
-        stream = torch.cuda.current_stream() if room else None  # a trial's to set back
-        capped = self.room_cap(room) if room and self.room_cap is not None else contextlib.nullcontext()
-        stopped = False
         try:
-            with capped:
-                buffers = inputs()
-                graph, out = capture_graph(step, buffers, self.handle, around)
+            buffers = inputs()
+            graph, out = capture_graph(step, buffers, self.handle, around)
         except torch.OutOfMemoryError:
-            stopped = True
-        except RuntimeError as e:
-            # Out of memory inside the capture itself can surface as the capture's own error, with
-            # the capture stream left current: a trial then stops there as at the cap.
-            if stream is None:
-                raise
-            torch.cuda.set_stream(stream)
-            log.warning("%s capture tried past its estimate failed: %s", kind, e)
-            stopped = True
-        if stopped:  # measured outside the handler: its traceback no longer holds the buffers
             self.used += max(0, self._now() - before)  # what the failed capture left in the pool
             return None
         added = max(0, self._now() - before)

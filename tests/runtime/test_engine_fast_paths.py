@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,14 +28,7 @@ from eg2_runtime.engine import (
     startup_graph_count,
 )
 from eg2_runtime.errors import EG2Error
-from eg2_runtime.graphs import (
-    BATCH_LADDER,
-    LENGTH_LADDER,
-    OVERDRAFT,
-    TRIAL_REACH,
-    GraphedTextEncoder,
-    GraphPool,
-)
+from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, OVERDRAFT, GraphedTextEncoder, GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_AUDIO_TOKENS
@@ -137,96 +129,6 @@ def test_past_its_budget_the_pool_admits_executables_within_the_overdraft() -> N
         n += 1
     assert n == OVERDRAFT // GRAPH_EXECUTABLE
     assert graphs.used == big + GRAPH_EXECUTABLE + OVERDRAFT
-
-
-def test_a_capture_its_estimate_refuses_is_tried_on_first_use_within_the_room() -> None:
-    """On first use a capture the estimate refuses by a near miss may still be tried, under a cap of
-    the budget's room less its executable; a far miss, a start-up capture (`then`), a pool without a
-    cap and an unbounded one never try; a full pool has no room to try in."""
-    mib = 1 << 20
-    caps: list[int] = []
-    graphs = GraphPool(100 * mib, room_cap=lambda room: contextlib.nullcontext(caps.append(room)))
-    assert graphs.reserve(40 * mib)
-    assert graphs.used == 40 * mib + GRAPH_EXECUTABLE
-    room = 60 * mib - 2 * GRAPH_EXECUTABLE  # the budget's room, less an executable
-    assert graphs.admits(room, kind="audio") and not graphs.admits(room + 1, kind="audio")
-    assert graphs.trial_room(room + 1, then=0) == room
-    assert graphs.trial_room(int(TRIAL_REACH * room), then=0) == room, "a near miss"
-    assert graphs.trial_room(int(TRIAL_REACH * room) + 1, then=0) == 0, "a far miss"
-    assert graphs.trial_room(room, then=2) == 0, "the start-up set keeps its rule"
-    assert GraphPool(100 * mib).trial_room(room, then=0) == 0, "no cap, no trial"
-    assert GraphPool(None, room_cap=lambda room: contextlib.nullcontext()).trial_room(room, then=0) == 0
-    full = GraphPool(100 * mib, room_cap=lambda room: contextlib.nullcontext())
-    assert full.reserve(100 * mib - GRAPH_EXECUTABLE)
-    assert full.trial_room(1, then=0) == 0
-    # Where nothing is captured (run=False: the CPU's padded eager steps), the estimate still rules.
-    assert graphs.capture(lambda: None, lambda: [], room + 1, run=False, kind="audio") is None
-    assert caps == [] and graphs.used == 40 * mib + GRAPH_EXECUTABLE
-
-
-def test_a_trial_capture_runs_under_the_room_cap_set_after_the_cache_is_emptied(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The trial's order, with the CUDA primitives stood in for (the GPU suite runs the real ones):
-    the pool's reading empties the cache first, then the cap of the room is entered, the buffers
-    are made and the capture runs inside it, and the cap is left before the growth is measured and
-    `grew` re-caps the allocator. A trial stopped at the cap (out of memory, or the capture's own
-    error) is refused, not deferred, its leftover counted, and the stream is set back; a capture
-    within its estimate takes no cap."""
-    mib = 1 << 20
-    events: list[str] = []
-    level = [0]
-
-    @contextlib.contextmanager
-    def room_cap(room: int) -> Iterator[None]:
-        events.append(f"cap {room // mib}")
-        try:
-            yield
-        finally:
-            events.append("uncap")
-
-    def now() -> int:
-        events.append("now")
-        return level[0]
-
-    outcome: list[BaseException | None] = [None]
-
-    def capture_graph(step: object, buffers: object, handle: object, around: object) -> tuple[str, str]:
-        events.append("capture")
-        level[0] += 10 * mib
-        if outcome[0] is not None:
-            raise outcome[0]
-        return "graph", "out"
-
-    monkeypatch.setattr(graphs_module, "capture_graph", capture_graph)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "main")
-    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: events.append(f"set {s}"))
-    pool = GraphPool(100 * mib, grew=lambda: events.append("grew"), room_cap=room_cap)
-    monkeypatch.setattr(pool, "_now", now)
-    buffers = lambda: events.append("buffers") or ["buffer"]  # noqa: E731
-    room = 100 * mib - GRAPH_EXECUTABLE
-    got = pool.capture(lambda: None, buffers, room + mib, kind="audio")  # a near miss
-    assert got == ("graph", ["buffer"], "out")
-    assert events == ["now", f"cap {room // mib}", "buffers", "capture", "uncap", "now", "grew"]
-    assert pool.used == 10 * mib and pool.largest == {"audio": room + mib}
-
-    for error in (torch.OutOfMemoryError("cap"), RuntimeError("operation failed during capture")):
-        events.clear()
-        outcome[0] = error
-        used = pool.used
-        room = pool.budget - used - GRAPH_EXECUTABLE  # type: ignore[operator]
-        assert pool.capture(lambda: None, buffers, room + mib, kind="image") is None
-        assert not pool.deferrable, "stopped by what it measured: refused for good"
-        assert pool.used == used + 10 * mib, "what it left is counted"
-        assert events[:5] == ["now", f"cap {room // mib}", "buffers", "capture", "uncap"]
-        assert events[-2:] == ["now", "grew"], "measured after the cap is left"
-        assert ("set main" in events) == (type(error) is RuntimeError)
-
-    events.clear()
-    outcome[0] = RuntimeError("not a trial")
-    with pytest.raises(RuntimeError):
-        pool.capture(lambda: None, buffers, 1, kind="audio")  # within the estimate: no cap, raised
-    assert "capture" in events and not any(e.startswith("cap ") for e in events)
 
 
 def test_a_capture_of_another_kind_counts_its_whole_estimate() -> None:
