@@ -14,7 +14,8 @@ MLP 2,048). Each time is the device time of one call, from a CUDA graph of --cal
 bytes the call must move (inputs read once, outputs written once; the cos/sin tables once) and the
 bandwidth that implies. Random BF16 inputs: the kernels' time does not depend on the values. Writes
 JSON to --out and prints a table. Not a test: it asserts nothing (tests/runtime/test_rope_triton.py
-proves every tile gives the same bits).
+proves every tile gives the same bits in Triton's CPU interpreter; on the GPU the warps may change
+the last bits, tests/gpu/test_gpu_packed_text.py).
 """
 
 from __future__ import annotations

@@ -225,8 +225,10 @@ def qkv_norm_rope(
     column stride is read in place); cos/sin (N, hd). Returns q = rope(q_norm(q)) (N, heads, hd) and
     k = rope(k_norm(k)), v = v_norm(v) (N, kv_heads, hd), contiguous: what q_norm / k_norm / v_norm
     and apply_rope give, rounded as rms_norm_rope rounds. eps: q_norm's, k_norm's, v_norm's.
-    tile: (values per program, warps), QKV_TILE by default; the result does not depend on it
-    (benchmarks/text_kernels.py times the choices).
+    tile: (values per program, warps), QKV_TILE by default. In Triton's CPU interpreter the result
+    does not depend on it; on the GPU the warp count sets a head's reduction order, and another tile
+    may differ in the last bits (tests/gpu/test_gpu_packed_text.py; benchmarks/text_kernels.py times
+    the choices).
     """
     if qkv.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the fused kernels take float32 or bfloat16, not {qkv.dtype}")
