@@ -126,6 +126,19 @@ def graph_buckets(engine: Engine) -> tuple[set[str], set[str], set[str]]:
     return graphs, refused, deferred
 
 
+def graph_pool_mib(engine: Engine) -> dict[str, float | None] | None:
+    """The graph pool's fill and budget (MiB, as the pool counts them: measured captures), or None
+    where the engine has no graphs."""
+    for g in (engine.towers, engine.packed, engine.graphs):
+        if g is not None:
+            budget = g.pool.budget
+            return {
+                "used": round(g.pool.used / 2**20, 1),
+                "budget": round(budget / 2**20, 1) if budget is not None else None,
+            }
+    return None
+
+
 # ------------------------------------------------------------------------------------------ runners
 
 
@@ -310,9 +323,14 @@ def measure(
                 cell["extras_error"], cell["traceback"] = failure(e)
         if isinstance(runner, Ours):
             # A bucket the pool refused sends its batches to smaller ones, in more replays (eagerly
-            # where none holds them): the buckets this cell captured, and every one refused so far.
+            # where none holds them): the buckets this cell captured, every one refused so far, and
+            # the pool's fill after the cell (which capture took the room a later one lacked).
             now, refused, _ = graph_buckets(runner.engine)
-            cell["graphs"] = {"captured": sorted(now - captured), "refused": sorted(refused)}
+            cell["graphs"] = {
+                "captured": sorted(now - captured),
+                "refused": sorted(refused),
+                "pool_mib": graph_pool_mib(runner.engine),
+            }
         if cell["error"] or cell.get("extras_error"):  # outside `except`: its traceback held the tensors
             settle()
         cell["cell_s"] = time.perf_counter() - t0

@@ -526,7 +526,26 @@ def _matrix(results: dict[str, Any]) -> list[str]:
             + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in refused.items())
             + ".\n"
         )
+    captures = {k: _captures(cells) for k, cells in zip("ab", (a, b), strict=True)}
+    if any(captures.values()):
+        parts.append(
+            "Graphs captured on first use, by the cell that first asked for them, with the pool's fill "
+            "after it: " + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in captures.items()) + ".\n"
+        )
     return parts
+
+
+def _captures(cells: dict[str, Any]) -> list[str]:
+    """Each cell that captured graph buckets: 'cell: buckets (pool used / budget MiB)'."""
+    out = []
+    for name, c in cells.items():
+        graphs = c.get("graphs") if isinstance(c, dict) else None
+        if not graphs or not graphs.get("captured"):
+            continue
+        pool = graphs.get("pool_mib")
+        fill = f" (pool {_num(pool['used'])} / {_num(pool['budget'])} MiB)" if pool else ""
+        out.append(f"{name}: {' '.join(graphs['captured'])}{fill}")
+    return out
 
 
 def _refused(cells: dict[str, Any]) -> list[str]:

@@ -155,7 +155,7 @@ def test_json_has_every_workload(quick: tuple[int, Path, str]) -> None:
         for family in ("text_long", "image"):
             assert results["configs"][key]["matrix"][f"{family}/b1"]["forward_tflops"] > 0, (key, family)
         for name, cell in results["configs"][key]["matrix"].items():  # no graphs on a CPU
-            assert cell["graphs"] == {"captured": [], "refused": []}, (key, name)
+            assert cell["graphs"] == {"captured": [], "refused": [], "pool_mib": None}, (key, name)
 
     d = results["configs"]["d"]
     assert set(d["named"]) == set(NAMED)
@@ -416,6 +416,29 @@ def test_the_report_names_the_buckets_the_pool_refused() -> None:
     assert "Graph buckets the pool refused" not in "\n".join(report._matrix(results))
 
 
+def test_the_report_names_each_first_use_capture_with_the_pools_fill() -> None:
+    """Which cell's capture took the pool's room: each cell that captured buckets, with the fill the
+    pool counted after it; nothing where no cell captured."""
+    workload = {"key": "image/b8", "family": "image", "batch": 8, "tokens": 2160, "items": 8}
+    pool = {"used": 442.0, "budget": 474.0}
+    cells = {
+        "image/b1": {"graphs": {"captured": [], "refused": [], "pool_mib": pool}},
+        "image/b8": {"graphs": {"captured": ["('image', 4, 2520)"], "refused": [], "pool_mib": pool}},
+        "video/b1": {"graphs": {"captured": ["('image', 8, 630)"], "refused": [], "pool_mib": None}},
+    }
+    results: dict[str, Any] = {
+        "meta": {"matmul_peak_tflops": None},
+        "workloads": {"matrix": [workload]},
+        "configs": {"a": {"matrix": cells}, "b": {"matrix": {"image/b1": cells["image/b1"]}}, "c": {}},
+    }
+    text = "\n".join(report._matrix(results))
+    assert (
+        "(a) image/b8: ('image', 4, 2520) (pool 442 / 474 MiB), video/b1: ('image', 8, 630); (b) none" in text
+    )
+    results["configs"]["a"]["matrix"] = {"image/b1": cells["image/b1"]}
+    assert "captured on first use" not in "\n".join(report._matrix(results))
+
+
 def test_graph_buckets_reads_every_graph_set_of_the_engine() -> None:
     """Captured (a graph made), refused (by the pool) and deferred buckets, from the text graphs and
     the towers alike; an engine part that is None (no graphs on a CPU) adds nothing."""
@@ -437,6 +460,20 @@ def test_graph_buckets_reads_every_graph_set_of_the_engine() -> None:
     assert captured == {"('audio', 8, 1024)", "2304"}
     assert refused == {"('audio', 16, 1024)", "8192"}
     assert deferred == {"('image', 1, 2520)"}
+
+
+def test_graph_pool_mib_reads_the_shared_pool_or_none() -> None:
+    """The pool the text and tower graphs share, in MiB as it counts them; None without graphs."""
+    from types import SimpleNamespace
+
+    from benchmarks.inprocess import graph_pool_mib
+
+    pool = SimpleNamespace(used=442 * 2**20, budget=474 * 2**20)
+    engine = SimpleNamespace(graphs=None, packed=SimpleNamespace(pool=pool), towers=None)
+    assert graph_pool_mib(engine) == {"used": 442.0, "budget": 474.0}  # type: ignore[arg-type]
+    engine.packed.pool = SimpleNamespace(used=0, budget=None)
+    assert graph_pool_mib(engine) == {"used": 0.0, "budget": None}  # type: ignore[arg-type]
+    assert graph_pool_mib(SimpleNamespace(graphs=None, packed=None, towers=None)) is None  # type: ignore[arg-type]
 
 
 def test_every_target_names_a_figure_and_an_issue() -> None:
