@@ -526,11 +526,14 @@ def _matrix(results: dict[str, Any]) -> list[str]:
             + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in refused.items())
             + ".\n"
         )
-    captures = {k: _captures(cells) for k, cells in zip("ab", (a, b), strict=True)}
+    # The named workloads run first and capture too: their cells, then the matrix's, in run order.
+    captures = {k: _captures(cells_of(results, k, "named") | cells_of(results, k, "matrix")) for k in "ab"}
     if any(captures.values()):
         parts.append(
-            "Graphs captured on first use, by the cell that first asked for them, with the pool's fill "
-            "after it: " + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in captures.items()) + ".\n"
+            "Graphs captured on first use, by the named call or matrix cell that first asked for them, "
+            "with the pool's fill after it: "
+            + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in captures.items())
+            + ".\n"
         )
     return parts
 
@@ -544,7 +547,7 @@ def _captures(cells: dict[str, Any]) -> list[str]:
             continue
         pool = graphs.get("pool_mib")
         fill = f" (pool {_num(pool['used'])} / {_num(pool['budget'])} MiB)" if pool else ""
-        out.append(f"{name}: {' '.join(graphs['captured'])}{fill}")
+        out.append(f"{name}: {' + '.join(graphs['captured'])}{fill}")
     return out
 
 

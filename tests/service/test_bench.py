@@ -429,12 +429,18 @@ def test_the_report_names_each_first_use_capture_with_the_pools_fill() -> None:
     results: dict[str, Any] = {
         "meta": {"matmul_peak_tflops": None},
         "workloads": {"matrix": [workload]},
-        "configs": {"a": {"matrix": cells}, "b": {"matrix": {"image/b1": cells["image/b1"]}}, "c": {}},
+        "configs": {
+            "a": {"named": {"images_one_call": cells["image/b8"]}, "matrix": cells},
+            "b": {"matrix": {"image/b1": cells["image/b1"]}},
+            "c": {},
+        },
     }
     text = "\n".join(report._matrix(results))
     assert (
-        "(a) image/b8: ('image', 4, 2520) (pool 442 / 474 MiB), video/b1: ('image', 8, 630); (b) none" in text
-    )
+        "(a) images_one_call: ('image', 4, 2520) (pool 442 / 474 MiB), image/b8: ('image', 4, 2520) "
+        "(pool 442 / 474 MiB), video/b1: ('image', 8, 630); (b) none"
+    ) in text, text
+    results["configs"]["a"]["named"] = {}
     results["configs"]["a"]["matrix"] = {"image/b1": cells["image/b1"]}
     assert "captured on first use" not in "\n".join(report._matrix(results))
 
