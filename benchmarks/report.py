@@ -519,23 +519,27 @@ def _matrix(results: dict[str, Any]) -> list[str]:
         f"{_num(results['meta'].get('matmul_peak_tflops'))} TFLOP/s.\n"
     )
     refused = {k: _refused(cells) for k, cells in zip("ab", (a, b), strict=True)}
-    if any(refused.values()):
-        parts.append(
-            "Graph buckets the pool refused by the end of the matrix (their batches ran in smaller "
-            "buckets, or eagerly where none held them): "
-            + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in refused.items())
-            + ".\n"
-        )
+    parts += _per_config(
+        "Graph buckets the pool refused by the end of the matrix (their batches ran in smaller "
+        "buckets, or eagerly where none held them): ",
+        refused,
+    )
     # The named workloads run first and capture too: their cells, then the matrix's, in run order.
     captures = {k: _captures(cells_of(results, k, "named") | cells_of(results, k, "matrix")) for k in "ab"}
-    if any(captures.values()):
-        parts.append(
-            "Graphs captured on first use, by the named call or matrix cell that first asked for them, "
-            "with the pool's fill after it: "
-            + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in captures.items())
-            + ".\n"
-        )
+    parts += _per_config(
+        "Graphs captured on first use, by the named call or matrix cell that first asked for them, "
+        "with the pool's fill after it: ",
+        captures,
+    )
     return parts
+
+
+def _per_config(lead: str, lists: dict[str, list[str]]) -> list[str]:
+    """One sentence naming each configuration's entries ('(a) x, y; (b) none'), or none where no
+    configuration has any."""
+    if not any(lists.values()):
+        return []
+    return [lead + "; ".join(f"({k}) {', '.join(v) or 'none'}" for k, v in lists.items()) + ".\n"]
 
 
 def _captures(cells: dict[str, Any]) -> list[str]:
