@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,7 @@ class Engine:
         single_threaded_numpy_blas()  # items are prepared in parallel: here, and by the service
         self.gpu_memory = gpu_memory or ProcessGpuMemory()
         self.plan: MemoryPlan | None = None
+        self._cap_fraction = 1.0  # of the device's memory: the allocator's cap (_cap_allocator)
         self.graphs: GraphedTextEncoder | None = None
         self.packed: PackedTextGraphs | None = None
         self._eager_text = False  # warm-up: text runs without graphs, as batches no graph holds
@@ -236,7 +238,9 @@ class Engine:
         # taking memory past the budget. Graph pools count too.
         self._cap_allocator()
         # The text and the tower graphs' one pool; the allocator's cap follows each capture.
-        pool = GraphPool(self.plan.graph_pool, self._process_bytes, grew=self._cap_allocator)
+        pool = GraphPool(
+            self.plan.graph_pool, self._process_bytes, grew=self._cap_allocator, trial_cap=self._trial_cap
+        )
         costs = self.plan.costs
         if options.graph_max_tokens:
             tokens = min(options.graph_max_tokens, self.plan.graph_text_tokens)
@@ -341,7 +345,26 @@ class Engine:
         if (now := self._process_bytes()) is not None:
             base = max(base, now - torch.cuda.memory_reserved(self.device) + BASE_MARGIN)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (self.plan.budget - base) / total), self.device)
+        self._cap_fraction = min(1.0, (self.plan.budget - base) / total)
+        torch.cuda.set_per_process_memory_fraction(self._cap_fraction, self.device)
+
+    def _trial_cap(self, room: int) -> Callable[[], AbstractContextManager[None]]:
+        """A context that caps the allocator at what it holds now plus `room` bytes (never past the
+        budget's cap), for a graph capture's trial (GraphPool): its warm-up then fits, or runs out of
+        memory with the pool inside its budget. The budget's cap comes back on exit. Made now, entered
+        later (the trial's buffers, then its warm-up), so both count against the one limit."""
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        fraction = min((torch.cuda.memory_reserved(self.device) + room) / total, self._cap_fraction)
+
+        @contextlib.contextmanager
+        def capped() -> Iterator[None]:
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            try:
+                yield
+            finally:
+                torch.cuda.set_per_process_memory_fraction(self._cap_fraction, self.device)
+
+        return capped
 
     def _place_table(self, host: bool) -> None:
         """The token table in pinned host memory or on the device, the load report to match."""

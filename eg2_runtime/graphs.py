@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
+from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, MIB
 from eg2_runtime.model import pool
 from eg2_runtime.streams import side_stream
 from eg2_runtime.text import TextEncoder
@@ -46,6 +46,12 @@ BATCH_LADDER = (1, 2, 4, 8, 16, 32, 64)
 # of them, taken from the eager share's fragmentation margin (memory_plan.EAGER_MARGIN: ~130 MiB of
 # the 2,000 MiB default's 454 MiB eager share).
 OVERDRAFT = 8 * GRAPH_EXECUTABLE
+# What a capture its estimate refuses may still add on first use, tried under an allocator cap
+# (GraphPool.trial_room): a capture whose tensors the pool's free blocks hold adds little more than
+# its executable (H100, 2026-12-06, `eg2 bench`: the 8-clip audio bucket, estimated at 208 MiB, added
+# at most 16 MiB to the BF16 engine's pool), while one whose tensors no free block holds adds its
+# whole estimate (the 4-image bucket: 216 MiB, when a trial was given the whole room).
+TRIAL_ALLOWANCE = 32 * MIB
 # What one replay costs beyond its own tokens, counted in padded tokens: a short bucket's replay is
 # bound by its launches (H200, 2026-12-01, benchmarks/probe_boot.py: one query 4.1 ms, 32 texts padded
 # to 4,096 tokens 10.5 ms: ~1.6 us a token, ~4 ms a replay), so a longer rung's one replay beats many
@@ -85,8 +91,9 @@ class GraphPool:
 
     What each capture really added is measured, as the process's GPU memory where NVML can read it
     (else the allocator's reserved bytes), the warm-up's cache emptied around it; a bucket is
-    captured while that total plus what it may add fits the budget. Past it the bucket is refused,
-    and batches take smaller buckets in more replays (or a longer rung's). `budget` None: no bound.
+    captured while that total plus what it may add fits the budget (or, on first use, where a trial
+    fits: below). Past it the bucket is refused, and batches take smaller buckets in more replays
+    (or a longer rung's). `budget` None: no bound.
 
     A start-up capture (one with `then` smaller ones to follow) that leaves too little room for
     their executables is dropped again (what it left behind stays counted) and its bucket refused,
@@ -98,6 +105,18 @@ class GraphPool:
     again, with nothing to follow. A capture on first use is kept as
     measured: the traffic asked for it, and the eager share's margin absorbs an overshoot (the
     process peaks stayed under the 2,000 MiB budget with every capture kept).
+
+    A capture on first use (nothing to follow) that its estimate refuses is tried instead, its
+    buffers and warm-up run under an allocator cap of what the process holds now plus
+    TRIAL_ALLOWANCE (or the budget's room, if less; `trial_cap`, from the engine). The estimate is a
+    forward's whole peak, and blocks freed by the pool's other graphs often hold most of it (H100,
+    2026-12-06, `eg2 bench`: the packed engine refused the 8-clip audio bucket by 4 MiB, and the BF16
+    engine's slightly larger pool captured it for at most 16 MiB). The warm-up asks for the blocks
+    the capture then takes, so a warm-up that fits is captured; one that runs out of memory stops
+    there, outside any capture, and the bucket is refused for good, what it left counted. The
+    allowance is small on purpose: a trial given the budget's whole room kept a 4-image bucket whose
+    tensors no free block held, which took 216 MiB and refused every audio bucket after it (H100,
+    2026-12-06, 0db7046).
 
     Past the budget, a capture that adds only its executable is still admitted within OVERDRAFT:
     measured captures overshoot their estimates, and one overshoot must not refuse every bucket after
@@ -111,6 +130,7 @@ class GraphPool:
         budget: int | None,
         read: Callable[[], int | None] | None = None,
         grew: Callable[[], None] | None = None,
+        trial_cap: Callable[[int], Callable[[], AbstractContextManager[Any]]] | None = None,
     ) -> None:
         # A MemPool rather than a bare graph-pool handle: each capture's warm-up run allocates in it
         # too (capture_graph), so the capture reuses the warm-up's blocks instead of adding its own
@@ -122,6 +142,10 @@ class GraphPool:
         # device memory outside the allocator, so the engine caps the allocator again from the
         # process's memory now (Engine._cap_allocator), and the process stays within its budget.
         self.grew = grew
+        # Given a trial's room, a context that caps the allocator at what it holds at that moment
+        # plus the room (Engine._trial_cap); None: no trials, a capture its estimate refuses is
+        # refused.
+        self.trial_cap = trial_cap
         self.used = 0  # bytes the captures added: measured, or as `need` models them
         self.largest: dict[str, int] = {}  # per kind, the largest estimate among its captures
         # Whether the last refusal only kept room for captures to follow (`then`), measuring
@@ -147,6 +171,14 @@ class GraphPool:
             return True
         room = OVERDRAFT if self.reuses(estimate, kind) and not then else 0
         return self.used + self.need(estimate, kind) + then * GRAPH_EXECUTABLE <= self.budget + room
+
+    def trial_room(self, then: int) -> int:
+        """The bytes a capture its estimate refuses may still add when tried under a cap: for a
+        capture on first use (`then` 0), TRIAL_ALLOWANCE or the budget's room less an executable if
+        that is less; 0 where none is tried (a start-up capture, no cap, no bound, no room)."""
+        if then or self.trial_cap is None or self.budget is None:
+            return 0
+        return max(0, min(TRIAL_ALLOWANCE, self.budget - self.used - GRAPH_EXECUTABLE))
 
     def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
@@ -200,14 +232,26 @@ class GraphPool:
         stead): the bucket is admitted as its graph would be (`reserve`), and (None, the buffers,
         None) comes back. `then` and `kind`: see `admits` and `need`."""
         self.deferrable = False
+        room = 0
         if not self.admits(estimate, then, kind):
-            self.deferrable = bool(then)
-            return None
+            room = self.trial_room(then) if run else 0
+            if not room:
+                self.deferrable = bool(then)
+                return None
         if not run:
             self._took(estimate, self.need(estimate, kind), kind)
             return None, inputs(), None
         try:
-            return self._capture(step, inputs, estimate, around, then, kind)
+            got = self._capture(step, inputs, estimate, around, then, kind, room)
+            if room:
+                log.info(
+                    "%s capture tried past its estimate (%.0f MiB, %.0f MiB allowed): %s",
+                    kind,
+                    estimate / 2**20,
+                    room / 2**20,
+                    "kept" if got else "stopped at the cap",
+                )
+            return got
         finally:
             if self.grew is not None:
                 self.grew()
@@ -220,12 +264,23 @@ class GraphPool:
         around: Callable[[], AbstractContextManager[Any]],
         then: int,
         kind: str,
+        room: int = 0,
     ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
+        """The capture, measured. `room` > 0: a trial, its buffers and warm-up under an allocator cap
+        of `room` more bytes, set after `_now` has emptied the cache (cached eager blocks would
+        otherwise count as room)."""
         before = self._now()
+        capped: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+        if room and self.trial_cap is not None:
+            capped = self.trial_cap(room)
+        stopped = False
         try:
-            buffers = inputs()
-            graph, out = capture_graph(step, buffers, self.handle, around)
+            with capped():
+                buffers = inputs()
+            graph, out = capture_graph(step, buffers, self.handle, around, warm=capped)
         except torch.OutOfMemoryError:
+            stopped = True
+        if stopped:  # measured outside the handler: its traceback no longer holds the buffers
             self.used += max(0, self._now() - before)  # what the failed capture left in the pool
             return None
         added = max(0, self._now() - before)
@@ -245,6 +300,7 @@ def capture_graph(
     inputs: Sequence[torch.Tensor],
     pool: torch.cuda.MemPool | None,
     around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    warm: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Capture `step(*inputs)` into a CUDA graph drawing on `pool`: (the graph, its static output).
 
@@ -256,13 +312,14 @@ def capture_graph(
     wraps both runs (the Unpacker's capture mode): the warm-up runs on another stream than the
     engine's eager forwards, and the Unpacker must order its unpacks after that stream, not the one
     it last saw. torch.cuda.graph synchronizes the device before the capture begins, so nothing the
-    warm-up left in flight reaches into the capture.
+    warm-up left in flight reaches into the capture. `warm` wraps the warm-up alone (GraphPool's
+    trial cap): out of memory there is an eager forward's, with no capture under way.
     """
     device = inputs[0].device
     side = _warmup_stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     allocating = torch.cuda.use_mem_pool(pool, device) if pool is not None else contextlib.nullcontext()
-    with torch.cuda.stream(side), around(), allocating:
+    with warm(), torch.cuda.stream(side), around(), allocating:
         step(*inputs)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()

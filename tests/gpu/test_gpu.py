@@ -467,6 +467,74 @@ def test_tiny_graph_captures_match_eager(
     )
 
 
+def test_a_trial_capture_keeps_what_free_blocks_hold_and_stops_at_its_allowance(
+    tiny_w4: Path, results: Path | None
+) -> None:
+    """GraphPool's trial on first use, through the engine's own allocator cap. A graph of 32 MiB
+    tensors (~96 MiB at its peak) is captured with room. Then, with the budget's room below their
+    estimates, two captures of another kind are tried: one of the same tensor sizes, whose warm-up
+    the first graph's freed blocks hold, is kept for less than the allowance, and its replay equals
+    the eager step; one of 128 MiB tensors, which no free block holds, is stopped at the allowance
+    and refused for good. 128 MiB of eager blocks sit cached as each starts (the cap counts only the
+    allowance). The pool ends within its budget each time, and the engine serves after, under the
+    budget's cap again."""
+    from eg2_runtime.graphs import TRIAL_ALLOWANCE, GraphPool
+
+    engine = _engine(tiny_w4)
+    assert engine.towers is not None
+    pool: GraphPool = engine.towers.pool
+    mib = 1 << 20
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)  # 512 kB a copy
+
+    def steps(
+        rows: int,
+    ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        def first(a: torch.Tensor) -> torch.Tensor:  # three tensors of rows x 512 kB at the peak
+            h = a.repeat(rows, 1)
+            g = h + 1
+            return (h * g).sum(0)
+
+        def second(a: torch.Tensor) -> torch.Tensor:  # the same sizes, other kernels
+            h = a.repeat(rows, 1)
+            g = h * 2
+            return (g - h).sum(0)
+
+        return first, second
+
+    base, same = steps(64)
+    _, large = steps(256)
+    figures: dict[str, Any] = {"allowance_mib": TRIAL_ALLOWANCE / mib}
+    cases = (("base", base, 96, 512, True), ("reuses", same, 96, 40, True), ("larger", large, 384, 64, False))
+    for name, step, estimate_mib, room_mib, kept in cases:
+        cached = torch.empty(128 * mib, dtype=torch.uint8, device="cuda")
+        del cached  # left in the allocator's cache: not room
+        pool.budget = pool.used + room_mib * mib
+        used = pool.used
+        tried = not pool.admits(estimate_mib * mib, kind=f"trial {name}")
+        got = pool.capture(step, lambda: [x.clone()], estimate_mib * mib, kind=f"trial {name}")
+        figures[name] = {
+            "tried": tried,
+            "kept": got is not None,
+            "added_mib": round((pool.used - used) / mib, 1),
+            "room_mib": room_mib,
+        }
+        assert tried == (name != "base"), f"{name}: {figures[name]}"
+        assert (got is not None) == kept, f"{name}: {figures[name]}"
+        assert pool.used <= pool.budget, f"{name}: {figures[name]}"
+        assert got is not None or not pool.deferrable
+        if got is not None:
+            graph, inputs, out = got
+            graph.replay()
+            torch.testing.assert_close(out, step(inputs[0]), rtol=0, atol=0)
+    served = engine.embed([engine.prepare(Item((TextPart("after the trials"),)), PrepareOptions())])
+    figures["served_after"] = bool(np.isfinite(served).all())
+    big = torch.empty(256 * mib, dtype=torch.uint8, device="cuda")  # the budget's cap is back
+    del big
+    record(results, "gpu_graph_pool_trial", figures)
+    assert figures["served_after"]
+    assert figures["reuses"]["added_mib"] <= TRIAL_ALLOWANCE / mib
+
+
 # ---- the memory budget, as the process's own GPU memory ----------------------------------------
 
 

@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,7 +29,14 @@ from eg2_runtime.engine import (
     startup_graph_count,
 )
 from eg2_runtime.errors import EG2Error
-from eg2_runtime.graphs import BATCH_LADDER, LENGTH_LADDER, OVERDRAFT, GraphedTextEncoder, GraphPool
+from eg2_runtime.graphs import (
+    BATCH_LADDER,
+    LENGTH_LADDER,
+    OVERDRAFT,
+    TRIAL_ALLOWANCE,
+    GraphedTextEncoder,
+    GraphPool,
+)
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.loader import load_model
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE, STARTUP_AUDIO_TOKENS
@@ -131,6 +139,113 @@ def test_past_its_budget_the_pool_admits_executables_within_the_overdraft() -> N
     assert graphs.used == big + GRAPH_EXECUTABLE + OVERDRAFT
 
 
+def _no_cap(room: int) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    return contextlib.nullcontext
+
+
+def test_on_first_use_a_capture_its_estimate_refuses_is_tried_within_the_allowance() -> None:
+    """On first use a capture the estimate refuses may still be tried, under a cap of TRIAL_ALLOWANCE
+    or the budget's room less an executable where that is less; a start-up capture (`then`), a pool
+    without a cap, an unbounded one and a full one never try, and where nothing is captured (the
+    CPU) the estimate alone rules."""
+    mib = 1 << 20
+    rooms: list[int] = []
+    graphs = GraphPool(
+        200 * mib,
+        trial_cap=lambda room: rooms.append(room) or contextlib.nullcontext,  # type: ignore[func-returns-value]
+    )
+    assert graphs.reserve(40 * mib)
+    assert graphs.trial_room(then=0) == TRIAL_ALLOWANCE, "the allowance, not the whole room"
+    assert graphs.trial_room(then=2) == 0, "the start-up set keeps its rule"
+    assert GraphPool(200 * mib).trial_room(then=0) == 0, "no cap, no trial"
+    assert GraphPool(None, trial_cap=_no_cap).trial_room(then=0) == 0, "no bound, nothing refused"
+    near = GraphPool(100 * mib, trial_cap=_no_cap)
+    assert near.reserve(100 * mib - 2 * GRAPH_EXECUTABLE - 10 * mib)
+    assert near.trial_room(then=0) == 10 * mib, "the room, where less than the allowance"
+    full = GraphPool(100 * mib, trial_cap=_no_cap)
+    assert full.reserve(100 * mib - GRAPH_EXECUTABLE)
+    assert full.trial_room(then=0) == 0
+    assert graphs.capture(lambda: None, lambda: [], 500 * mib, run=False, kind="audio") is None
+    assert rooms == [] and graphs.used == 40 * mib + GRAPH_EXECUTABLE
+
+
+def test_a_trial_caps_its_buffers_and_warm_up_but_not_its_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trial's order, with the CUDA primitives stood in for (the GPU suite runs the real ones):
+    the pool's reading empties the cache first, then the cap is made from that moment's holdings,
+    the buffers are made and the warm-up runs inside it, and the capture itself after it; the growth
+    is measured and `grew` re-caps the allocator. A warm-up out of memory is refused for good, not
+    deferred, and what it left is counted; another error is raised; a capture within its estimate
+    takes no cap."""
+    mib = 1 << 20
+    events: list[str] = []
+    level = [0]
+    oom = [False]
+
+    def trial_cap(room: int) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        events.append(f"cap {room // mib}")
+
+        @contextlib.contextmanager
+        def capped() -> Iterator[None]:
+            events.append("capped")
+            try:
+                yield
+            finally:
+                events.append("uncapped")
+
+        return capped
+
+    def now() -> int:
+        events.append("now")
+        return level[0]
+
+    def capture_graph(
+        step: object,
+        buffers: object,
+        handle: object,
+        around: object,
+        warm: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> tuple[str, str]:
+        with warm():
+            events.append("warm-up")
+            level[0] += 10 * mib
+            if oom[0]:
+                raise torch.OutOfMemoryError("the cap")
+        events.append("capture")
+        return "graph", "out"
+
+    monkeypatch.setattr(graphs_module, "capture_graph", capture_graph)
+    pool = GraphPool(100 * mib, grew=lambda: events.append("grew"), trial_cap=trial_cap)
+    monkeypatch.setattr(pool, "_now", now)
+    buffers = lambda: events.append("buffers") or ["buffer"]  # noqa: E731
+    got = pool.capture(lambda: None, buffers, 200 * mib, kind="audio")  # refused by its estimate
+    assert got == ("graph", ["buffer"], "out")
+    room = TRIAL_ALLOWANCE // mib
+    assert events == [
+        *("now", f"cap {room}", "capped", "buffers", "uncapped"),
+        *("capped", "warm-up", "uncapped", "capture", "now", "grew"),
+    ]
+    assert pool.used == 10 * mib and pool.largest == {"audio": 200 * mib}
+
+    events.clear()
+    oom[0] = True
+    assert pool.capture(lambda: None, buffers, 200 * mib, kind="image") is None
+    assert not pool.deferrable, "stopped by what it measured: refused for good"
+    assert pool.used == 20 * mib, "what it left is counted"
+    assert events[-4:] == ["warm-up", "uncapped", "now", "grew"], "measured after the cap is left"
+
+    events.clear()
+    oom[0] = False
+    monkeypatch.setattr(
+        graphs_module, "capture_graph", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x"))
+    )
+    with pytest.raises(RuntimeError):
+        pool.capture(lambda: None, buffers, 200 * mib, kind="text")
+    events.clear()
+    monkeypatch.setattr(graphs_module, "capture_graph", capture_graph)
+    assert pool.capture(lambda: None, buffers, 1 * mib, kind="text") is not None  # within its estimate
+    assert "capped" not in events and not any(e.startswith("cap ") for e in events)
+
+
 def test_a_capture_of_another_kind_counts_its_whole_estimate() -> None:
     """The blocks a text graph left are shaped for text's tensors: a tower capture smaller than it
     counts its activations in full until a capture of its own kind holds blocks as large (H200,
@@ -171,7 +286,9 @@ def _scripted(monkeypatch: pytest.MonkeyPatch, pool: GraphPool, readings: Iterat
     """The pool's GPU readings from `readings`, one per `_now`, and a capture that runs nothing: the
     pool's arithmetic on the CPU."""
     monkeypatch.setattr(pool, "_now", lambda: next(readings))
-    monkeypatch.setattr(graphs_module, "capture_graph", lambda step, inputs, handle, around: (object(), None))
+    monkeypatch.setattr(
+        graphs_module, "capture_graph", lambda step, inputs, handle, around, **_: (object(), None)
+    )
 
 
 def test_a_start_up_capture_that_leaves_no_room_for_the_rest_is_dropped(
