@@ -106,17 +106,18 @@ class GraphPool:
     measured: the traffic asked for it, and the eager share's margin absorbs an overshoot (the
     process peaks stayed under the 2,000 MiB budget with every capture kept).
 
-    A capture on first use (nothing to follow) that its estimate refuses is tried instead, its
-    buffers and warm-up run under an allocator cap of what the process holds now plus
-    TRIAL_ALLOWANCE (or the budget's room, if less; `trial_cap`, from the engine). The estimate is a
-    forward's whole peak, and blocks freed by the pool's other graphs often hold most of it (H100,
-    2026-12-06, `eg2 bench`: the packed engine refused the 8-clip audio bucket by 4 MiB, and the BF16
-    engine's slightly larger pool captured it for at most 16 MiB). The warm-up asks for the blocks
-    the capture then takes, so a warm-up that fits is captured; one that runs out of memory stops
-    there, outside any capture, and the bucket is refused for good, what it left counted. The
-    allowance is small on purpose: a trial given the budget's whole room kept a 4-image bucket whose
-    tensors no free block held, which took 216 MiB and refused every audio bucket after it (H100,
-    2026-12-06, 0db7046).
+    A capture on first use (nothing to follow) that its estimate refuses is tried instead: its
+    buffers are made, then its warm-up runs under an allocator cap of what the process holds at that
+    point plus TRIAL_ALLOWANCE (or the budget's room, if less; `trial_cap`, from the engine). The
+    estimate is a forward's whole peak, and blocks freed by the pool's other graphs often hold most
+    of it (H100, 2026-12-06, `eg2 bench`: the packed engine refused the 8-clip audio bucket by 4
+    MiB, and the BF16 engine's slightly larger pool captured it for at most 16 MiB). The warm-up asks
+    for the blocks the capture then takes, so a warm-up that fits is captured; one that runs out of
+    memory stops there, outside any capture, and the bucket is refused for good. What a stopped
+    trial left in the pool (up to the allowance) stays there and is counted, free to later
+    captures. The allowance is small on purpose: a trial given the budget's whole room kept a
+    4-image bucket whose tensors no free block held, which took 216 MiB and refused every audio
+    bucket after it (H100, 2026-12-06, 0db7046).
 
     Past the budget, a capture that adds only its executable is still admitted within OVERDRAFT:
     measured captures overshoot their estimates, and one overshoot must not refuse every bucket after
@@ -172,13 +173,14 @@ class GraphPool:
         room = OVERDRAFT if self.reuses(estimate, kind) and not then else 0
         return self.used + self.need(estimate, kind) + then * GRAPH_EXECUTABLE <= self.budget + room
 
-    def trial_room(self, then: int) -> int:
-        """The bytes a capture its estimate refuses may still add when tried under a cap: for a
-        capture on first use (`then` 0), TRIAL_ALLOWANCE or the budget's room less an executable if
-        that is less; 0 where none is tried (a start-up capture, no cap, no bound, no room)."""
+    def trial_room(self, then: int, spent: int = 0) -> int:
+        """The bytes a capture its estimate refuses may still add in its warm-up when tried under a
+        cap: for a capture on first use (`then` 0), TRIAL_ALLOWANCE, or the budget's room less an
+        executable and the `spent` bytes its buffers already took if that is less; 0 where none is
+        tried (a start-up capture, no cap, no bound, no room)."""
         if then or self.trial_cap is None or self.budget is None:
             return 0
-        return max(0, min(TRIAL_ALLOWANCE, self.budget - self.used - GRAPH_EXECUTABLE))
+        return max(0, min(TRIAL_ALLOWANCE, self.budget - self.used - GRAPH_EXECUTABLE - spent))
 
     def reserve(self, estimate: int, then: int = 0, kind: str = "text") -> bool:
         """Admit a capture that runs nothing (the CPU's padded eager steps stand in for graphs):
@@ -245,11 +247,10 @@ class GraphPool:
             got = self._capture(step, inputs, estimate, around, then, kind, room)
             if room:
                 log.info(
-                    "%s capture tried past its estimate (%.0f MiB, %.0f MiB allowed): %s",
+                    "%s capture tried past its estimate (%.0f MiB): %s",
                     kind,
                     estimate / 2**20,
-                    room / 2**20,
-                    "kept" if got else "stopped at the cap",
+                    "kept" if got else "out of memory, refused",
                 )
             return got
         finally:
@@ -266,24 +267,34 @@ class GraphPool:
         kind: str,
         room: int = 0,
     ) -> tuple[torch.cuda.CUDAGraph | None, Sequence[torch.Tensor], Any] | None:
-        """The capture, measured. `room` > 0: a trial, its buffers and warm-up under an allocator cap
-        of `room` more bytes, set after `_now` has emptied the cache (cached eager blocks would
-        otherwise count as room)."""
+        """The capture, measured. `room` > 0: a trial. Its buffers are made first and measured (they
+        live outside the pool, in a segment of their own, which the pool's free blocks cannot
+        hold); then its warm-up runs under an allocator cap of `trial_room` more bytes, set after
+        `_now` has emptied the cache (cached eager blocks would otherwise count as room)."""
         before = self._now()
-        capped: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
-        if room and self.trial_cap is not None:
-            capped = self.trial_cap(room)
+        buffers: Sequence[torch.Tensor] = ()
+        warm: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+        spent = 0  # a trial's buffers
         stopped = False
         try:
-            with capped():
-                buffers = inputs()
-            graph, out = capture_graph(step, buffers, self.handle, around, warm=capped)
+            buffers = inputs()
+            if room and self.trial_cap is not None:
+                spent = max(0, self._now() - before)
+                room = self.trial_room(then, spent)
+                if not room:
+                    raise torch.OutOfMemoryError("no room left for the trial's warm-up")
+                warm = self.trial_cap(room)
+            graph, out = capture_graph(step, buffers, self.handle, around, warm=warm)
         except torch.OutOfMemoryError:
             stopped = True
-        if stopped:  # measured outside the handler: its traceback no longer holds the buffers
-            self.used += max(0, self._now() - before)  # what the failed capture left in the pool
+        if stopped:
+            buffers = ()  # freed before measuring: what the failed capture left in the pool stays
+            self.used += max(0, self._now() - before)
             return None
         added = max(0, self._now() - before)
+        if room and added > spent + room + GRAPH_EXECUTABLE:
+            # The cap bounds the warm-up; the capture, run after it, asks for the same blocks.
+            log.warning("%s capture tried past its estimate added %.0f MiB", kind, added / 2**20)
         if then and self.budget is not None and self.used + added + then * GRAPH_EXECUTABLE > self.budget:
             del graph, buffers, out  # no room left for the rest of the set: drop it again
             self.used += max(0, self._now() - before)

@@ -470,14 +470,15 @@ def test_tiny_graph_captures_match_eager(
 def test_a_trial_capture_keeps_what_free_blocks_hold_and_stops_at_its_allowance(
     tiny_w4: Path, results: Path | None
 ) -> None:
-    """GraphPool's trial on first use, through the engine's own allocator cap. A graph of 32 MiB
-    tensors (~96 MiB at its peak) is captured with room. Then, with the budget's room below their
-    estimates, two captures of another kind are tried: one of the same tensor sizes, whose warm-up
-    the first graph's freed blocks hold, is kept for less than the allowance, and its replay equals
-    the eager step; one of 128 MiB tensors, which no free block holds, is stopped at the allowance
-    and refused for good. 128 MiB of eager blocks sit cached as each starts (the cap counts only the
-    allowance). The pool ends within its budget each time, and the engine serves after, under the
-    budget's cap again."""
+    """GraphPool's trial on first use, through the engine's own allocator cap and the Unpacker's
+    capture mode. A graph of 32 MiB tensors (~96 MiB at its peak) is captured with room. Then, with
+    the budget's room below their estimates, two captures of another kind are tried: one of the same
+    tensor sizes, whose warm-up the first graph's freed blocks hold, is kept for less than the
+    allowance, and its replay equals the eager step; one of 128 MiB tensors (384 MiB at its peak),
+    which no free block holds, is stopped by the allowance though the budget's room (448 MiB) would
+    hold it, and refused for good. 128 MiB of eager blocks sit cached as each starts (the cap counts
+    only the allowance). The pool ends within its budget each time, the allocator is back under the
+    budget's cap, and the engine serves text and an image after."""
     from eg2_runtime.graphs import TRIAL_ALLOWANCE, GraphPool
 
     engine = _engine(tiny_w4)
@@ -504,14 +505,20 @@ def test_a_trial_capture_keeps_what_free_blocks_hold_and_stops_at_its_allowance(
     base, same = steps(64)
     _, large = steps(256)
     figures: dict[str, Any] = {"allowance_mib": TRIAL_ALLOWANCE / mib}
-    cases = (("base", base, 96, 512, True), ("reuses", same, 96, 40, True), ("larger", large, 384, 64, False))
+    around = engine.towers.unpacker.capturing if engine.towers.unpacker is not None else None
+    assert around is not None, "a w4 checkpoint's towers unpack"
+    cases = (
+        ("base", base, 96, 512, True),
+        ("reuses", same, 96, 40, True),
+        ("larger", large, 512, 448, False),
+    )
     for name, step, estimate_mib, room_mib, kept in cases:
         cached = torch.empty(128 * mib, dtype=torch.uint8, device="cuda")
         del cached  # left in the allocator's cache: not room
         pool.budget = pool.used + room_mib * mib
         used = pool.used
         tried = not pool.admits(estimate_mib * mib, kind=f"trial {name}")
-        got = pool.capture(step, lambda: [x.clone()], estimate_mib * mib, kind=f"trial {name}")
+        got = pool.capture(step, lambda: [x.clone()], estimate_mib * mib, around, kind=f"trial {name}")
         figures[name] = {
             "tried": tried,
             "kept": got is not None,
@@ -526,12 +533,12 @@ def test_a_trial_capture_keeps_what_free_blocks_hold_and_stops_at_its_allowance(
             graph, inputs, out = got
             graph.replay()
             torch.testing.assert_close(out, step(inputs[0]), rtol=0, atol=0)
-    served = engine.embed([engine.prepare(Item((TextPart("after the trials"),)), PrepareOptions())])
+    figures["cap_restored"] = torch.cuda.get_per_process_memory_fraction() == engine._cap_fraction
+    after = [Item((TextPart("after the trials"),)), Item((MediaPart("image", samples.png(64, 48, 1)),))]
+    served = engine.embed([engine.prepare(item, PrepareOptions()) for item in after])
     figures["served_after"] = bool(np.isfinite(served).all())
-    big = torch.empty(256 * mib, dtype=torch.uint8, device="cuda")  # the budget's cap is back
-    del big
     record(results, "gpu_graph_pool_trial", figures)
-    assert figures["served_after"]
+    assert figures["cap_restored"] and figures["served_after"]
     assert figures["reuses"]["added_mib"] <= TRIAL_ALLOWANCE / mib
 
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,17 +172,22 @@ def test_on_first_use_a_capture_its_estimate_refuses_is_tried_within_the_allowan
     assert rooms == [] and graphs.used == 40 * mib + GRAPH_EXECUTABLE
 
 
-def test_a_trial_caps_its_buffers_and_warm_up_but_not_its_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_trial_caps_its_warm_up_but_not_its_buffers_or_its_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trial's order, with the CUDA primitives stood in for (the GPU suite runs the real ones):
-    the pool's reading empties the cache first, then the cap is made from that moment's holdings,
-    the buffers are made and the warm-up runs inside it, and the capture itself after it; the growth
-    is measured and `grew` re-caps the allocator. A warm-up out of memory is refused for good, not
-    deferred, and what it left is counted; another error is raised; a capture within its estimate
-    takes no cap."""
+    the pool's reading empties the cache first, the buffers are made and measured, the cap is made
+    from that moment's holdings with the allowance less nothing (or the room less the buffers), the
+    warm-up runs inside it and the capture after it; the growth is measured and `grew` re-caps the
+    allocator. A warm-up out of memory is refused for good, not deferred, and what it left is counted
+    with the buffers freed first; buffers that leave no room stop the trial before its warm-up;
+    another error is raised; a capture within its estimate takes no cap."""
     mib = 1 << 20
     events: list[str] = []
     level = [0]
     oom = [False]
+    alive: list[weakref.ref[Any]] = []
+
+    class Buffer:
+        pass
 
     def trial_cap(room: int) -> Callable[[], contextlib.AbstractContextManager[None]]:
         events.append(f"cap {room // mib}")
@@ -195,7 +203,7 @@ def test_a_trial_caps_its_buffers_and_warm_up_but_not_its_capture(monkeypatch: p
         return capped
 
     def now() -> int:
-        events.append("now")
+        events.append("now" if not any(r() for r in alive) else "now, buffers alive")
         return level[0]
 
     def capture_graph(
@@ -213,28 +221,41 @@ def test_a_trial_caps_its_buffers_and_warm_up_but_not_its_capture(monkeypatch: p
         events.append("capture")
         return "graph", "out"
 
+    def buffers() -> list[Buffer]:
+        events.append("buffers")
+        level[0] += 2 * mib
+        b = Buffer()
+        alive.append(weakref.ref(b))
+        return [b]
+
     monkeypatch.setattr(graphs_module, "capture_graph", capture_graph)
     pool = GraphPool(100 * mib, grew=lambda: events.append("grew"), trial_cap=trial_cap)
     monkeypatch.setattr(pool, "_now", now)
-    buffers = lambda: events.append("buffers") or ["buffer"]  # noqa: E731
     got = pool.capture(lambda: None, buffers, 200 * mib, kind="audio")  # refused by its estimate
-    assert got == ("graph", ["buffer"], "out")
+    assert got is not None and got[0] == "graph"
+    del got
     room = TRIAL_ALLOWANCE // mib
     assert events == [
-        *("now", f"cap {room}", "capped", "buffers", "uncapped"),
-        *("capped", "warm-up", "uncapped", "capture", "now", "grew"),
+        *("now", "buffers", "now, buffers alive", f"cap {room}"),
+        *("capped", "warm-up", "uncapped", "capture", "now, buffers alive", "grew"),
     ]
-    assert pool.used == 10 * mib and pool.largest == {"audio": 200 * mib}
+    assert pool.used == 12 * mib and pool.largest == {"audio": 200 * mib}
 
     events.clear()
     oom[0] = True
     assert pool.capture(lambda: None, buffers, 200 * mib, kind="image") is None
     assert not pool.deferrable, "stopped by what it measured: refused for good"
-    assert pool.used == 20 * mib, "what it left is counted"
-    assert events[-4:] == ["warm-up", "uncapped", "now", "grew"], "measured after the cap is left"
+    assert pool.used == 24 * mib, "what it left is counted"
+    assert events[-4:] == ["warm-up", "uncapped", "now", "grew"], "measured with the buffers freed"
+
+    events.clear()
+    pool.used = 100 * mib - GRAPH_EXECUTABLE - mib  # 1 MiB of room: the buffers take it
+    assert pool.capture(lambda: None, buffers, 200 * mib, kind="video") is None
+    assert "warm-up" not in events and events[-2:] == ["now", "grew"]
 
     events.clear()
     oom[0] = False
+    pool.used = 0
     monkeypatch.setattr(
         graphs_module, "capture_graph", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x"))
     )
@@ -244,6 +265,34 @@ def test_a_trial_caps_its_buffers_and_warm_up_but_not_its_capture(monkeypatch: p
     monkeypatch.setattr(graphs_module, "capture_graph", capture_graph)
     assert pool.capture(lambda: None, buffers, 1 * mib, kind="text") is not None  # within its estimate
     assert "capped" not in events and not any(e.startswith("cap ") for e in events)
+
+
+def test_the_engines_trial_cap_stays_under_the_budgets_cap_and_restores_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Engine._trial_cap with torch's CUDA calls stood in for: the cap is what the allocator holds
+    when the context is made plus the room, never past the budget's cap, entered as often as asked
+    (buffers, then warm-up share one limit), and the budget's cap is set back on exit, an
+    out-of-memory error included."""
+    gib = 1 << 30
+    fractions: list[float] = []
+    reserved = [2 * gib]
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=100 * gib)
+    )
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f))
+    engine = SimpleNamespace(device="cuda:0", _cap_fraction=0.05)
+    capped = Engine._trial_cap(engine, 1 * gib)  # type: ignore[arg-type]
+    reserved[0] = 50 * gib  # later growth does not move the limit
+    with pytest.raises(torch.OutOfMemoryError), capped():
+        raise torch.OutOfMemoryError("warm-up")
+    assert fractions == [0.03, 0.05]
+    fractions.clear()
+    loose = Engine._trial_cap(engine, 10 * gib)  # type: ignore[arg-type]
+    with loose():
+        pass
+    assert fractions == [0.05, 0.05], "never past the budget's cap"
 
 
 def test_a_capture_of_another_kind_counts_its_whole_estimate() -> None:
