@@ -15,7 +15,8 @@ How the working memory is shared: the eager share is the peak of the largest ite
 the rest is the graph pool. A graph pool keeps the activations of its largest graphs for good, and
 graphs never run at once, so smaller graphs of the same kind (text, image, audio) reuse their
 blocks: the pool admits a capture no larger than its kind's largest by its executable, a larger one
-or the first of its kind by its whole estimate, beside what the captures so far measurably took
+or the first of its kind by its whole estimate, beside what the captures so far measurably took;
+on first use, one its estimate refuses is tried with its warm-up under a small allocator cap
 (graphs.GraphPool). Graphs take any batch whose rows fit a bucket, in chunks, refused buckets
 handing their rows to smaller ones (graphs.py, tower_graphs.py): more pool means larger buckets and
 fewer replays per batch, not a different result.
