@@ -3,7 +3,7 @@
     eg2 bench [--out DIR] [--device auto|cuda|cpu] [--size tiny|full] [--quick]
               [--configs a,b,c,d,d-text,d-bf16] [--budgets MIB,...] [--model-dir DIR] [--cache-dir DIR]
               [--batch-sizes 1,8,32,64] [--concurrency 1,32,128] [--media-clients 16]
-              [--seconds S] [--time-limit S] [--commit SHA]
+              [--seconds S] [--time-limit S] [--pairs N] [--commit SHA]
     python -m benchmarks.bench ...          the same, from a source checkout
 
 Configurations, run one after the other, each in a process of its own (this one only orchestrates:
@@ -16,6 +16,9 @@ it never touches the GPU):
     d-text  the same with --modalities text (the text workloads only)
     d-bf16  `eg2 serve` on the BF16 checkpoint
     d-mibN  (--budgets N,...) `eg2 serve --gpu-memory-mib N` on the w4 checkpoint
+`--pairs N` runs (a) and (b) N times each, alternating which of the two goes first after the
+listed order; packed / BF16 is then judged per matrix cell on the median items/s of each, since one
+pair of processes moves with the host (docs/BENCH.md).
 Each process's GPU memory is read through NVML by its PID (benchmarks/process_memory.py): after load
 (a server: at /ready), after warm-up, after the named workloads, and its peak, sampled every 50 ms.
 
@@ -125,6 +128,7 @@ class Options:
     budget: Budget
     time_limit_s: float | None
     commit: str | None = None  # recorded as given; else the checkout's own
+    pairs: int = 1  # runs of (a) and of (b): the first in the listed order, then alternating
     argv: tuple[str, ...] = field(default=())
 
 
@@ -150,7 +154,8 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--quick", action="store_true", help="the CI mode: tiny, batches 1 and 8, few rounds")
     parser.add_argument(
         "--configs",
-        help=f"which configurations [{','.join(DEFAULT_CONFIGS)}; {','.join(QUICK_CONFIGS)} with --quick]",
+        help=f"which configurations, run in the order {','.join(c.key for c in CONFIGS)} whatever the list's "
+        f"[{','.join(DEFAULT_CONFIGS)}; {','.join(QUICK_CONFIGS)} with --quick]",
     )
     parser.add_argument(
         "--budgets", type=_ints, default=(), help="also `eg2 serve --gpu-memory-mib N` for each N"
@@ -173,6 +178,13 @@ def parse(argv: list[str]) -> Options:
         "--time-limit", type=float, help="stop the run after this many seconds [510; none with --quick]"
     )
     parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="run (a) and (b) this many times each, alternating which goes first; packed / BF16 per "
+        "matrix cell from the medians [1]",
+    )
+    parser.add_argument(
         "--commit", help="the commit to record instead of the checkout's own (a copied tree's may be stale)"
     )
     args = parser.parse_args(argv)
@@ -186,6 +198,10 @@ def parse(argv: list[str]) -> Options:
     if not keys or set(keys) - set(known):
         parser.error(f"--configs takes keys of {','.join(known)}, got {args.configs!r}")
     configs = tuple(c for c in CONFIGS if c.key in keys) + tuple(budget_config(m) for m in args.budgets)
+    if args.pairs < 1 or (args.pairs > 1 and not {"a", "b"} <= set(keys)):
+        parser.error(
+            f"--pairs {args.pairs}: a count of at least 1, and past 1 with both a and b in --configs"
+        )
 
     import torch  # here: `eg2 bench --help` answers without it
 
@@ -218,8 +234,19 @@ def parse(argv: list[str]) -> Options:
         budget=budget,
         time_limit_s=args.time_limit if args.time_limit is not None else (None if q else 510.0),
         commit=args.commit,
+        pairs=args.pairs,
         argv=tuple(argv),
     )
+
+
+def schedule(configs: tuple[Config, ...], pairs: int) -> list[tuple[Config, int]]:
+    """Each configuration as listed (run 0), then (b), (a) as run 1, (a), (b) as run 2, and so on up
+    to `pairs` runs of each: the order alternates, so neither side always runs first on a host whose
+    speed drifts."""
+    order = list(configs)
+    by_key = {c.key: c for c in configs}
+    later = [[by_key["b"], by_key["a"]] if i % 2 else [by_key["a"], by_key["b"]] for i in range(1, pairs)]
+    return [(c, 0) for c in order] + [(c, i) for i, pair in enumerate(later, start=1) for c in pair]
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -256,7 +283,7 @@ def run(opts: Options) -> dict[str, Any]:
                 f"configs {','.join(c.key for c in opts.configs)}"
             )
             pool: ProcessPoolExecutor | None = None
-            for cfg in opts.configs:
+            for cfg, run_no in schedule(opts.configs, opts.pairs):
                 head = {
                     "label": cfg.label,
                     "kind": cfg.kind,
@@ -265,12 +292,14 @@ def run(opts: Options) -> dict[str, Any]:
                 }
                 left = deadline - time.time()
                 if left < 20:
-                    results["configs"][cfg.key] = head | {"error": "skipped: --time-limit reached"}
+                    if not run_no:
+                        results["configs"][cfg.key] = head | {"error": "skipped: --time-limit reached"}
                     continue
                 limit = left if opts.quick else min(left, cfg.time_s)
                 settle_device(NVML)  # the previous configuration's memory is back: alone on the GPU
                 model_dir = w4 if cfg.checkpoint == "w4" else bf16
-                progress(f"({cfg.key}) {cfg.label}: starting ({limit:.0f} s at most)")
+                again = f", run {run_no + 1} of {opts.pairs}" if run_no else ""
+                progress(f"({cfg.key}) {cfg.label}{again}: starting ({limit:.0f} s at most)")
                 try:
                     if cfg.kind == "server":
                         if pool is None:
@@ -286,13 +315,18 @@ def run(opts: Options) -> dict[str, Any]:
                         a_host = results["configs"].get("a", {}).get("weights", {}).get("host_bytes")
                         table = bool(a_host) if cfg.matched_budget and a_host is not None else None
                         figures = _inprocess(
-                            cfg, model_dir, opts, tmp, limit, t_origin, progress, budget_bytes, table
+                            cfg, model_dir, opts, tmp, limit, t_origin, progress, budget_bytes, table, run_no
                         )
                 except Stopped as stopped:  # keep what the configuration measured before the signal
-                    if stopped.args:
+                    if stopped.args and not run_no:
                         results["configs"][cfg.key] = head | stopped.args[0]
                     raise
-                results["configs"][cfg.key] = head | figures
+                if run_no:  # another run of (a) or (b): its matrix beside the first run's
+                    results["configs"].setdefault(cfg.key, head).setdefault("repeats", []).append(
+                        {k: figures.get(k) for k in ("matrix", "error", "wall_s")} | {"run": run_no}
+                    )
+                else:
+                    results["configs"][cfg.key] = head | figures
                 _conclude(results, t_origin, complete=False)
                 write(results, opts.out, chart_too=False)
     except Stopped:
@@ -350,9 +384,11 @@ def _inprocess(
     progress: Progress,
     gpu_memory_budget: int | None = None,
     host_token_table: bool | None = None,
+    run_no: int = 0,
 ) -> dict[str, Any]:
     """(a), (b) or (c) in a child process, its memory sampled from here. A child past `limit` is
-    killed; its JSON, rewritten after every cell, keeps what it measured."""
+    killed; its JSON, rewritten after every cell, keeps what it measured. `run_no`: which run of the
+    configuration this is (`--pairs`), each with files of its own."""
     from app.service import GPU_BATCH_TOKENS
     from app.settings import Settings
 
@@ -371,7 +407,8 @@ def _inprocess(
         "host_token_table": host_token_table,  # None: the memory plan decides
         "t_origin": t_origin,
     }
-    spec_path, out = tmp / f"{cfg.key}.spec.json", tmp / f"{cfg.key}.json"
+    name = f"{cfg.key}.{run_no}" if run_no else cfg.key
+    spec_path, out = tmp / f"{name}.spec.json", tmp / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     sampler = PeakSampler()  # before the child starts: the fallback's baseline excludes it
     t0 = time.time()
@@ -448,6 +485,12 @@ def _errors(configs: dict[str, Any]) -> list[str]:
             for r in cfg.get("sweep") or []
             if r.get("error")
         ]
+        for repeat in cfg.get("repeats") or []:  # --pairs' further runs
+            run = f"({key}) run {repeat['run'] + 1}"
+            errors += [f"{run}: {repeat['error']}"] if repeat.get("error") else []
+            errors += [
+                f"{run} {k}: {c['error']}" for k, c in (repeat.get("matrix") or {}).items() if c.get("error")
+            ]
     return errors
 
 

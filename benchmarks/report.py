@@ -59,19 +59,48 @@ def sweep_row(results: dict[str, Any], cfg: str, family: str, clients: int) -> d
     )
 
 
+def matrices(results: dict[str, Any], cfg: str) -> list[dict[str, Any]]:
+    """Every run's matrix of a configuration: the first, then those of `--pairs`' further runs."""
+    first = cells_of(results, cfg, "matrix")
+    repeats = (results["configs"].get(cfg) or {}).get("repeats") or []
+    return [first, *(dict(r.get("matrix") or {}) for r in repeats)]
+
+
+def items_per_s(results: dict[str, Any], cfg: str, part: str = "call") -> dict[str, float]:
+    """Per matrix cell, the median items/s over the configuration's runs in which the cell ran."""
+    runs: dict[str, list[float]] = {}
+    for matrix in matrices(results, cfg):
+        for key, cell in matrix.items():
+            if ok(cell) and (value := (cell.get(part) or {}).get("items_per_s")):
+                runs.setdefault(key, []).append(float(value))
+    return {key: statistics.median(values) for key, values in runs.items()}
+
+
 def packed_vs_bf16(results: dict[str, Any], part: str = "call") -> dict[str, float]:
     """(a) / (b) items/s per matrix cell: of the whole call (`part` "call"), or of Engine.embed on
     items prepared beforehand ("embed": the part the weights' format can change; a call adds the
-    same decoding and preprocessing to both, on the host's CPUs)."""
-    a, b = cells_of(results, "a", "matrix"), cells_of(results, "b", "matrix")
-    return {
-        k: a[k][part]["items_per_s"] / b[k][part]["items_per_s"]
-        for k in a
-        if ok(a[k])
-        and ok(b.get(k))
-        and (a[k].get(part) or {}).get("items_per_s")
-        and (b[k].get(part) or {}).get("items_per_s")
-    }
+    same decoding and preprocessing to both, on the host's CPUs). With `--pairs`, each side's median
+    over its runs: one pair of processes moves with the host."""
+    a, b = items_per_s(results, "a", part), items_per_s(results, "b", part)
+    return {k: a[k] / b[k] for k in a if k in b}
+
+
+def pair_worst(results: dict[str, Any]) -> list[float]:
+    """With `--pairs`, each pair's worst packed / BF16 call ratio over the matrix: the i-th run of
+    (a) against the i-th of (b). One value per pair whose runs both measured a cell."""
+    worst = []
+    for a, b in zip(matrices(results, "a"), matrices(results, "b"), strict=False):
+        ratios = [
+            a[k]["call"]["items_per_s"] / b[k]["call"]["items_per_s"]
+            for k in a
+            if ok(a[k])
+            and ok(b.get(k))
+            and a[k]["call"].get("items_per_s")
+            and b[k]["call"].get("items_per_s")
+        ]
+        if ratios:
+            worst.append(min(ratios))
+    return worst
 
 
 def figure(results: dict[str, Any], spec: str) -> float | None:
@@ -444,13 +473,12 @@ def _matrix(results: dict[str, Any]) -> list[str]:
     a, b, c = (cells_of(results, k, "matrix") for k in "abc")
     workloads = results["workloads"]["matrix"]
     ratios = packed_vs_bf16(results)
+    medians = {k: items_per_s(results, k) for k in "ab"}  # one run each, unless --pairs
     rows = []
     for w in workloads:
         key = w["key"]
-        ips = {
-            k: (cells[key]["call"]["items_per_s"] if ok(cells.get(key)) else None)
-            for k, cells in zip("abc", (a, b, c), strict=True)
-        }
+        ips = {k: medians[k].get(key) for k in "ab"}
+        ips["c"] = c[key]["call"]["items_per_s"] if ok(c.get(key)) else None
         tps = a[key]["call"]["tokens_per_s"] if ok(a.get(key)) else None
         rows.append(
             [
@@ -479,6 +507,14 @@ def _matrix(results: dict[str, Any]) -> list[str]:
             rows,
         )
     )
+    pairs = pair_worst(results)
+    if len(pairs) > 1:
+        parts.append(
+            f"(a) and (b) ran {len(pairs)} times each (`--pairs`), alternating which went first: their "
+            "items/s and packed / BF16 above are medians over the runs. Each pair's worst cell: "
+            + ", ".join(_x(w) for w in pairs)
+            + ". Latencies below are the first run's.\n"
+        )
     parts.append("## Modality x batch: latency, embed and forward alone\n")
     rows = []
     for w in workloads:

@@ -445,6 +445,62 @@ def test_the_report_names_each_first_use_capture_with_the_pools_fill() -> None:
     assert "captured on first use" not in "\n".join(report._matrix(results))
 
 
+def test_pairs_alternate_a_and_b_after_the_listed_order() -> None:
+    """`--pairs N`: every configuration once in its order, then (b), (a), then (a), (b), and so on,
+    N runs of each of the pair; past 1 it needs both in --configs, and 0 is no count."""
+    from benchmarks import bench
+
+    configs = tuple(c for c in bench.CONFIGS if c.key in ("a", "b", "c", "d"))
+    runs = [(c.key, n) for c, n in bench.schedule(configs, 3)]
+    assert runs == [("a", 0), ("b", 0), ("c", 0), ("d", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    assert [(c.key, n) for c, n in bench.schedule(configs, 1)] == [(c.key, 0) for c in configs]
+    for argv in (["--pairs", "2", "--configs", "a,c"], ["--pairs", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse(["--quick", "--device", "cpu", *argv])
+
+
+def test_with_pairs_packed_vs_bf16_takes_each_sides_median() -> None:
+    """Three runs of (a) and (b): each cell's items/s is the median of its runs that measured it, the
+    ratio is of those medians, the report says so with each pair's worst cell, and a further run's
+    failed cell is an error of the run."""
+    from benchmarks.bench import _errors
+
+    def runs(*values: float | None) -> list[dict[str, Any]]:
+        return [
+            {
+                "t/b1": {
+                    "family": "text_short",
+                    "error": None,
+                    "call": {"items_per_s": v, "tokens_per_s": 20 * v, "p50_ms": 1e3 / v, "p99_ms": 1e3 / v},
+                }
+            }
+            if v is not None
+            else {"t/b1": {"family": "text_short", "error": "out of memory"}}
+            for v in values
+        ]
+
+    a, b = runs(80.0, 100.0, 104.0), runs(100.0, 98.0, None)
+    results = _results(
+        a={"matrix": a[0], "repeats": [{"run": 1, "matrix": a[1]}, {"run": 2, "matrix": a[2]}]},
+        b={"matrix": b[0], "repeats": [{"run": 1, "matrix": b[1]}, {"run": 2, "matrix": b[2]}]},
+        c={},
+    )
+    results["workloads"]["matrix"] = [
+        {"key": "t/b1", "family": "text_short", "batch": 1, "tokens": 20, "items": 1}
+    ]
+    assert report.items_per_s(results, "a") == {"t/b1": 100.0}
+    assert report.items_per_s(results, "b") == {"t/b1": 99.0}, "the failed run left out"
+    assert report.figure(results, "packed_vs_bf16:worst") == pytest.approx(100 / 99)
+    assert report.pair_worst(results) == pytest.approx([0.8, 100 / 98])
+    text = "\n".join(report._matrix(results))
+    assert "ran 2 times each" in text and "0.800x, 1.020x" in text, text
+    assert "| text_short | 1 | 20 | 100 | 99.0 | - | 1.010x |" in text, text
+    assert _errors(results["configs"]) == ["(b) run 3 t/b1: out of memory"]
+    del results["configs"]["a"]["repeats"], results["configs"]["b"]["repeats"]
+    assert report.figure(results, "packed_vs_bf16:worst") == pytest.approx(0.8), "one run: as before"
+    assert "times each" not in "\n".join(report._matrix(results))
+
+
 def test_graph_buckets_reads_every_graph_set_of_the_engine() -> None:
     """Captured (a graph made), refused (by the pool) and deferred buckets, from the text graphs and
     the towers alike; an engine part that is None (no graphs on a CPU) adds nothing."""
