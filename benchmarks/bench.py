@@ -16,9 +16,9 @@ it never touches the GPU):
     d-text  the same with --modalities text (the text workloads only)
     d-bf16  `eg2 serve` on the BF16 checkpoint
     d-mibN  (--budgets N,...) `eg2 serve --gpu-memory-mib N` on the w4 checkpoint
-`--pairs N` runs (a) and (b) N times each, alternating which of the two goes first after the
-listed order; packed / BF16 is then judged per matrix cell on the median items/s of each, since one
-pair of processes moves with the host (docs/BENCH.md).
+`--pairs N` runs (a) and (b) N times each, right after their first run and before the others,
+alternating which of the two goes first; packed / BF16 is then judged per matrix cell on the median
+items/s of each, since one pair of processes moves with the host (docs/BENCH.md).
 Each process's GPU memory is read through NVML by its PID (benchmarks/process_memory.py): after load
 (a server: at /ready), after warm-up, after the named workloads, and its peak, sampled every 50 ms.
 
@@ -240,13 +240,18 @@ def parse(argv: list[str]) -> Options:
 
 
 def schedule(configs: tuple[Config, ...], pairs: int) -> list[tuple[Config, int]]:
-    """Each configuration as listed (run 0), then (b), (a) as run 1, (a), (b) as run 2, and so on up
-    to `pairs` runs of each: the order alternates, so neither side always runs first on a host whose
-    speed drifts."""
-    order = list(configs)
+    """Each configuration once (run 0), in order, with the further runs of (a) and (b) right after
+    (b)'s first: (b), (a) as run 1, (a), (b) as run 2, and so on up to `pairs` runs of each. The
+    order alternates, so neither side always runs first on a host whose speed drifts, and the pairs
+    come before the other configurations take the time limit's share."""
     by_key = {c.key: c for c in configs}
-    later = [[by_key["b"], by_key["a"]] if i % 2 else [by_key["a"], by_key["b"]] for i in range(1, pairs)]
-    return [(c, 0) for c in order] + [(c, i) for i, pair in enumerate(later, start=1) for c in pair]
+    later = [(by_key[k], i) for i in range(1, pairs) for k in (("b", "a") if i % 2 else ("a", "b"))]
+    runs: list[tuple[Config, int]] = []
+    for c in configs:
+        runs.append((c, 0))
+        if c.key == "b":
+            runs += later
+    return runs
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -292,8 +297,13 @@ def run(opts: Options) -> dict[str, Any]:
                 }
                 left = deadline - time.time()
                 if left < 20:
-                    if not run_no:
-                        results["configs"][cfg.key] = head | {"error": "skipped: --time-limit reached"}
+                    skipped = {"error": "skipped: --time-limit reached"}
+                    if run_no:
+                        results["configs"].setdefault(cfg.key, head).setdefault("repeats", []).append(
+                            skipped | {"run": run_no}
+                        )
+                    else:
+                        results["configs"][cfg.key] = head | skipped
                     continue
                 limit = left if opts.quick else min(left, cfg.time_s)
                 settle_device(NVML)  # the previous configuration's memory is back: alone on the GPU

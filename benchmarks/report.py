@@ -66,10 +66,16 @@ def matrices(results: dict[str, Any], cfg: str) -> list[dict[str, Any]]:
     return [first, *(dict(r.get("matrix") or {}) for r in repeats)]
 
 
-def items_per_s(results: dict[str, Any], cfg: str, part: str = "call") -> dict[str, float]:
-    """Per matrix cell, the median items/s over the configuration's runs in which the cell ran."""
+def items_per_s(
+    results: dict[str, Any], cfg: str, part: str = "call", runs_of: str | None = None
+) -> dict[str, float]:
+    """Per matrix cell, the median items/s over the configuration's runs in which the cell ran.
+    `runs_of`: only as many runs as that configuration has too (the pairs both sides ran)."""
+    taken = matrices(results, cfg)
+    if runs_of is not None:
+        taken = taken[: len(matrices(results, runs_of))]
     runs: dict[str, list[float]] = {}
-    for matrix in matrices(results, cfg):
+    for matrix in taken:
         for key, cell in matrix.items():
             if ok(cell) and (value := (cell.get(part) or {}).get("items_per_s")):
                 runs.setdefault(key, []).append(float(value))
@@ -81,14 +87,14 @@ def packed_vs_bf16(results: dict[str, Any], part: str = "call") -> dict[str, flo
     items prepared beforehand ("embed": the part the weights' format can change; a call adds the
     same decoding and preprocessing to both, on the host's CPUs). With `--pairs`, each side's median
     over its runs: one pair of processes moves with the host."""
-    a, b = items_per_s(results, "a", part), items_per_s(results, "b", part)
+    a, b = items_per_s(results, "a", part, runs_of="b"), items_per_s(results, "b", part, runs_of="a")
     return {k: a[k] / b[k] for k in a if k in b}
 
 
-def pair_worst(results: dict[str, Any]) -> list[float]:
+def pair_worst(results: dict[str, Any]) -> list[float | None]:
     """With `--pairs`, each pair's worst packed / BF16 call ratio over the matrix: the i-th run of
-    (a) against the i-th of (b). One value per pair whose runs both measured a cell."""
-    worst = []
+    (a) against the i-th of (b); None for a pair with no cell measured by both."""
+    worst: list[float | None] = []
     for a, b in zip(matrices(results, "a"), matrices(results, "b"), strict=False):
         ratios = [
             a[k]["call"]["items_per_s"] / b[k]["call"]["items_per_s"]
@@ -98,8 +104,7 @@ def pair_worst(results: dict[str, Any]) -> list[float]:
             and a[k]["call"].get("items_per_s")
             and b[k]["call"].get("items_per_s")
         ]
-        if ratios:
-            worst.append(min(ratios))
+        worst.append(min(ratios) if ratios else None)
     return worst
 
 
@@ -473,7 +478,7 @@ def _matrix(results: dict[str, Any]) -> list[str]:
     a, b, c = (cells_of(results, k, "matrix") for k in "abc")
     workloads = results["workloads"]["matrix"]
     ratios = packed_vs_bf16(results)
-    medians = {k: items_per_s(results, k) for k in "ab"}  # one run each, unless --pairs
+    medians = {k: items_per_s(results, k, runs_of=o) for k, o in ("ab", "ba")}  # one run, unless --pairs
     rows = []
     for w in workloads:
         key = w["key"]
@@ -510,10 +515,11 @@ def _matrix(results: dict[str, Any]) -> list[str]:
     pairs = pair_worst(results)
     if len(pairs) > 1:
         parts.append(
-            f"(a) and (b) ran {len(pairs)} times each (`--pairs`), alternating which went first: their "
-            "items/s and packed / BF16 above are medians over the runs. Each pair's worst cell: "
+            f"(a) and (b) ran as {len(pairs)} pairs (`--pairs`), alternating which went first: their "
+            "items/s and packed / BF16 above are medians over the runs (tokens/s, ours / ref and the "
+            "latencies below are the first run's). Each pair's worst cell: "
             + ", ".join(_x(w) for w in pairs)
-            + ". Latencies below are the first run's.\n"
+            + ".\n"
         )
     parts.append("## Modality x batch: latency, embed and forward alone\n")
     rows = []

@@ -445,18 +445,68 @@ def test_the_report_names_each_first_use_capture_with_the_pools_fill() -> None:
     assert "captured on first use" not in "\n".join(report._matrix(results))
 
 
-def test_pairs_alternate_a_and_b_after_the_listed_order() -> None:
-    """`--pairs N`: every configuration once in its order, then (b), (a), then (a), (b), and so on,
-    N runs of each of the pair; past 1 it needs both in --configs, and 0 is no count."""
+def test_pairs_alternate_a_and_b_right_after_their_first_runs() -> None:
+    """`--pairs N`: every configuration once in its order, with (b), (a), then (a), (b), and so on
+    right after (b)'s first run, N runs of each of the pair; past 1 it needs both in --configs, and 0
+    is no count."""
     from benchmarks import bench
 
     configs = tuple(c for c in bench.CONFIGS if c.key in ("a", "b", "c", "d"))
     runs = [(c.key, n) for c, n in bench.schedule(configs, 3)]
-    assert runs == [("a", 0), ("b", 0), ("c", 0), ("d", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
+    assert runs == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("c", 0), ("d", 0)]
     assert [(c.key, n) for c, n in bench.schedule(configs, 1)] == [(c.key, 0) for c in configs]
     for argv in (["--pairs", "2", "--configs", "a,c"], ["--pairs", "0"]):
         with pytest.raises(SystemExit):
             bench.parse(["--quick", "--device", "cpu", *argv])
+
+
+def test_a_run_with_pairs_records_each_further_run_of_a_and_b(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`bench.run` with `--pairs 3`, the processes stood in for: the further runs of (a) and (b) come
+    straight after (b)'s first, alternating, each with files of its own; their matrices land in
+    `repeats`, a run the time limit leaves no room for is recorded as skipped, and packed / BF16
+    comes from the medians."""
+    import contextlib as ctx
+    import dataclasses
+
+    from benchmarks import bench
+
+    clock = [0.0]
+    order: list[str] = []
+    rates = iter([80.0, 100.0, 98.0, 100.0, 104.0])  # a0, b0, b1, a1, a2
+
+    def inprocess(
+        cfg: Any, model_dir: Path, opts: Any, tmp: Path, limit: float, *rest: Any
+    ) -> dict[str, Any]:
+        order.append(f"{cfg.key}{rest[-1]}")
+        clock[0] += 100.0  # each process 100 s: no room left for (b)'s third run
+        cell = {"family": "text_short", "error": None, "call": {"items_per_s": next(rates)}}
+        return {"matrix": {"t/b1": cell}, "named": {}}
+
+    workloads = type(
+        "W", (), {"matrix": [], "named": [], "describe": lambda self: {"named": [], "matrix": []}}
+    )()
+    monkeypatch.setattr(bench, "_inprocess", inprocess)
+    monkeypatch.setattr(bench, "_start", lambda cmd: None)
+    monkeypatch.setattr(bench, "_peak", lambda proc, path: {})
+    monkeypatch.setattr(bench, "settle_device", lambda nvml: None)
+    monkeypatch.setattr(bench, "matched_budget", lambda bf16, w4: 1 << 30)
+    monkeypatch.setattr(bench, "checkpoints", lambda *a: ctx.nullcontext((tmp_path, tmp_path)))
+    monkeypatch.setattr(bench, "_workloads", lambda *a: workloads)
+    monkeypatch.setattr(bench, "write", lambda *a, **k: [])
+    monkeypatch.setattr(bench.time, "time", lambda: clock[0])
+    opts = bench.parse(
+        ["--quick", "--device", "cpu", "--configs", "a,b", "--pairs", "3", "--out", str(tmp_path)]
+    )
+    results = bench.run(dataclasses.replace(opts, time_limit_s=510.0))
+    assert order == ["a0", "b0", "b1", "a1", "a2"], order
+    repeats = {k: results["configs"][k]["repeats"] for k in "ab"}
+    assert [r["run"] for r in repeats["a"]] == [1, 2] and [r["run"] for r in repeats["b"]] == [1, 2]
+    assert repeats["b"][1]["error"] == "skipped: --time-limit reached"
+    assert report.items_per_s(results, "a") == {"t/b1": 100.0}
+    assert report.figure(results, "packed_vs_bf16:worst") == pytest.approx(100 / 99)
+    assert "(b) run 3: skipped: --time-limit reached" in results["errors"]
 
 
 def test_with_pairs_packed_vs_bf16_takes_each_sides_median() -> None:
@@ -491,11 +541,14 @@ def test_with_pairs_packed_vs_bf16_takes_each_sides_median() -> None:
     assert report.items_per_s(results, "a") == {"t/b1": 100.0}
     assert report.items_per_s(results, "b") == {"t/b1": 99.0}, "the failed run left out"
     assert report.figure(results, "packed_vs_bf16:worst") == pytest.approx(100 / 99)
-    assert report.pair_worst(results) == pytest.approx([0.8, 100 / 98])
+    assert report.pair_worst(results) == [pytest.approx(0.8), pytest.approx(100 / 98), None]
     text = "\n".join(report._matrix(results))
-    assert "ran 2 times each" in text and "0.800x, 1.020x" in text, text
+    assert "ran as 3 pairs" in text and "0.800x, 1.020x, -." in text, text
     assert "| text_short | 1 | 20 | 100 | 99.0 | - | 1.010x |" in text, text
     assert _errors(results["configs"]) == ["(b) run 3 t/b1: out of memory"]
+    results["configs"]["b"]["repeats"].pop()  # (b)'s third run never ran: (a)'s is left out too
+    assert report.items_per_s(results, "a", runs_of="b") == {"t/b1": 90.0}
+    assert report.figure(results, "packed_vs_bf16:worst") == pytest.approx(90 / 99)
     del results["configs"]["a"]["repeats"], results["configs"]["b"]["repeats"]
     assert report.figure(results, "packed_vs_bf16:worst") == pytest.approx(0.8), "one run: as before"
     assert "times each" not in "\n".join(report._matrix(results))
