@@ -8,7 +8,8 @@ A target reads one figure of the results (benchmarks/report.py `figure` says wha
     ratio:CONFIG:BASE:WORKLOAD     that time in CONFIG / in BASE
     sweep:CONFIG:FAMILY:CLIENTS:FIELD   a sweep row's figure (items_per_s = requests/s, p99_ms, ...)
     packed_vs_bf16:worst[:PART]    the least (a) / (b) items/s over the matrix cells, of the whole
-                                   call or (PART "embed") of Engine.embed on prepared items
+                                   call or (PART "embed") of Engine.embed on prepared items; with
+                                   `--pairs`, of each side's median over its runs
     saturation:CONFIG:INPROCESS    the sweep's best single-short-text requests/s in CONFIG over the
                                    best text_short items/s of INPROCESS's matrix
     peak_share:CONFIG:FAMILY       the best forward TFLOP/s of the family's matrix cells over the
