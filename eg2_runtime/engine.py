@@ -351,8 +351,8 @@ class Engine:
     def _trial_cap(self, room: int) -> Callable[[], AbstractContextManager[None]]:
         """A context that caps the allocator at what it holds now plus `room` bytes (never past the
         budget's cap), for a graph capture's trial (GraphPool): its warm-up then fits, or runs out of
-        memory with the pool inside its budget. The budget's cap comes back on exit. Made now, entered
-        later (the trial's buffers, then its warm-up), so both count against the one limit."""
+        memory with the pool inside its budget. The budget's cap comes back on exit. The limit is
+        fixed when the context is made (once the trial's buffers are measured), not when entered."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         fraction = min((torch.cuda.memory_reserved(self.device) + room) / total, self._cap_fraction)
 

@@ -175,7 +175,7 @@ def test_on_first_use_a_capture_its_estimate_refuses_is_tried_within_the_allowan
 def test_a_trial_caps_its_warm_up_but_not_its_buffers_or_its_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     """The trial's order, with the CUDA primitives stood in for (the GPU suite runs the real ones):
     the pool's reading empties the cache first, the buffers are made and measured, the cap is made
-    from that moment's holdings with the allowance less nothing (or the room less the buffers), the
+    from that moment's holdings with the allowance (or the room less the buffers, where less), the
     warm-up runs inside it and the capture after it; the growth is measured and `grew` re-caps the
     allocator. A warm-up out of memory is refused for good, not deferred, and what it left is counted
     with the buffers freed first; buffers that leave no room stop the trial before its warm-up;
@@ -271,9 +271,8 @@ def test_the_engines_trial_cap_stays_under_the_budgets_cap_and_restores_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Engine._trial_cap with torch's CUDA calls stood in for: the cap is what the allocator holds
-    when the context is made plus the room, never past the budget's cap, entered as often as asked
-    (buffers, then warm-up share one limit), and the budget's cap is set back on exit, an
-    out-of-memory error included."""
+    when the context is made plus the room (later growth does not move it), never past the budget's
+    cap, and the budget's cap is set back on exit, an out-of-memory error included."""
     gib = 1 << 30
     fractions: list[float] = []
     reserved = [2 * gib]
