@@ -128,7 +128,7 @@ class Options:
     budget: Budget
     time_limit_s: float | None
     commit: str | None = None  # recorded as given; else the checkout's own
-    pairs: int = 1  # runs of (a) and of (b): the first in the listed order, then alternating
+    pairs: int = 1  # runs of (a) and of (b), the further ones alternating (schedule)
     argv: tuple[str, ...] = field(default=())
 
 
@@ -299,9 +299,7 @@ def run(opts: Options) -> dict[str, Any]:
                 if left < 20:
                     skipped = {"error": "skipped: --time-limit reached"}
                     if run_no:
-                        results["configs"].setdefault(cfg.key, head).setdefault("repeats", []).append(
-                            skipped | {"run": run_no}
-                        )
+                        _repeat(results, cfg.key, head, skipped | {"run": run_no})
                     else:
                         results["configs"][cfg.key] = head | skipped
                     continue
@@ -332,9 +330,8 @@ def run(opts: Options) -> dict[str, Any]:
                         results["configs"][cfg.key] = head | stopped.args[0]
                     raise
                 if run_no:  # another run of (a) or (b): its matrix beside the first run's
-                    results["configs"].setdefault(cfg.key, head).setdefault("repeats", []).append(
-                        {k: figures.get(k) for k in ("matrix", "error", "wall_s")} | {"run": run_no}
-                    )
+                    run_figures = {k: figures.get(k) for k in ("matrix", "error", "wall_s")}
+                    _repeat(results, cfg.key, head, run_figures | {"run": run_no})
                 else:
                     results["configs"][cfg.key] = head | figures
                 _conclude(results, t_origin, complete=False)
@@ -347,6 +344,11 @@ def run(opts: Options) -> dict[str, Any]:
             signal.signal(s, handler)
     _conclude(results, t_origin, complete=not results["meta"].get("stopped"))
     return results
+
+
+def _repeat(results: dict[str, Any], key: str, head: dict[str, Any], record: dict[str, Any]) -> None:
+    """A further run of (a) or (b) (`--pairs`), kept in its configuration's `repeats`."""
+    results["configs"].setdefault(key, head).setdefault("repeats", []).append(record)
 
 
 def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
