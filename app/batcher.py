@@ -10,8 +10,9 @@
              └─► per-modality queues of prepared items
                    └─► scheduler (event loop): pick the modality with the oldest item; while items
                        of that modality are still in preprocessing, wait for them (max_queue_delay
-                       at most); take the oldest item plus the queued items closest to it in cost,
-                       under max_batch_tokens and max_batch_items
+                       at most; max_request_gather more for the oldest item's own request's items
+                       while nothing else is queued); take the oldest item plus the queued items
+                       closest to it in cost, under max_batch_tokens and max_batch_items
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step of up
@@ -268,6 +269,7 @@ class _Request:
         self.failed = 0  # items whose preparation failed (they fail the request; not "dropped")
         self.refused = False  # refused by the cost check before any work: nothing to drop
         self.held: dict[tuple[int, int], int] = {}  # (item, span or -1) -> its tokens in the media budget
+        self.preparing: Counter[str] = Counter()  # its items in preprocessing jobs, by modality
 
     @property
     def dead(self) -> bool:
@@ -373,18 +375,22 @@ class Batcher:
         max_request_tokens: int,
         max_prepared_media_tokens: int,
         max_request_segments: int = 512,
+        max_request_gather_s: float = 0.0,
         gpu_thread: Threads | None = None,
         prepare_processes: int = 0,
     ) -> None:
         """`gpu_thread`: the thread the engine was loaded on, to run its accelerator calls too (CUDA
         keeps per-thread state, e.g. cuBLAS handles and their workspaces: one thread holds one set).
         `prepare_processes`: worker processes that prepare each media item instead of the threads
-        (engine.prepare_processes); 0 keeps every job on the threads."""
+        (engine.prepare_processes); 0 keeps every job on the threads. `max_request_gather_s`: how
+        much longer than the queue delay a batch waits for its oldest item's own request's items still
+        in preprocessing (_deadline)."""
         self._engine = engine
         self._metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_items = max_batch_items
         self._delay_s = max_queue_delay_s
+        self._gather_s = max_request_gather_s
         self._limit = max_queued_items
         self._stall_timeout_s = stall_timeout_s
         self._inline_chars = inline_prepare_chars  # a request's text up to this size skips the pool
@@ -594,6 +600,7 @@ class Batcher:
             prep = self._prep.submit(self._prepare, job, options, request.cancel)
         # Counted before the callback is attached; it runs from the loop, so never before this.
         self._preparing[modality] += len(group)
+        request.preparing[modality] += len(group)
         prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
         request.prep_futures.append(prep)
 
@@ -762,6 +769,7 @@ class Batcher:
         self, request: _Request, indices: list[int], modality: str, prep: asyncio.Future[list[Any]]
     ) -> None:
         self._preparing[modality] -= len(indices)  # done, failed or cancelled: no longer on the way
+        request.preparing[modality] -= len(indices)
         self._wakeup.set()  # the scheduler may be waiting for these, or now has them queued
         if prep.cancelled():
             return
@@ -827,7 +835,7 @@ class Batcher:
             q = self._queues[modality]
             tokens = self.batch_tokens(modality)
             full = len(q) >= self.max_batch_items or q.tokens >= tokens
-            wait_s = q.items[0].enqueued + self._delay_s - time.monotonic()
+            wait_s = self._deadline(q.items[0], alone=len(heads) == 1) - time.monotonic()
             if full or wait_s <= 0 or self._preparing[modality] <= 0:
                 batch = q.take(tokens, self.max_batch_items, self._window)
                 self._metrics.queue_depth.labels(modality).set(len(q))
@@ -835,6 +843,20 @@ class Batcher:
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), wait_s)
+
+    def _deadline(self, head: _Work, alone: bool) -> float:
+        """When the batch `head` starts closes, if not full first: the queue delay after the head was
+        queued, and the request gather past it while the head's own request still has items of its
+        modality in preprocessing and no other modality's items are queued (`alone`).
+
+        A request is answered when its last row is: its items split over several batches as they
+        finish decoding cost it a pass each (16 images as ~3 batches of ~6) and share the CPU with
+        the decoding still running, while one batch that waits for them costs one pass. A request
+        of one item, or items of the GPU's other queues, never wait for it."""
+        deadline = head.enqueued + self._delay_s
+        if alone and head.request.preparing[head.item.modality] > 0:
+            deadline += self._gather_s
+        return deadline
 
     async def _gpu_call(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         self._busy_since = time.monotonic()

@@ -234,6 +234,7 @@ class Service:
                 max_request_tokens=s.max_request_tokens,
                 max_prepared_media_tokens=self.prepared_media_tokens(),
                 max_request_segments=s.max_request_segments,
+                max_request_gather_s=s.max_request_gather_ms / 1000,
                 gpu_thread=gpu,
                 prepare_processes=self.prepare_processes(),
             )

@@ -156,6 +156,16 @@ class Settings(BaseSettings):
         "way its batch runs at once. Larger: fuller batches from bursts, at up to that much added latency; "
         "0 never waits.",
     )
+    max_request_gather_ms: float = Field(
+        default=50.0,
+        ge=0,
+        description="How much longer than max_queue_delay_ms a batch waits for the items of its oldest "
+        "item's own request still in preprocessing, while no other modality has items queued: a "
+        "request's media items run in one GPU batch instead of several formed as each finishes decoding "
+        "(16 images in one call: one pass instead of about three, see docs/PERF.md). Larger: bigger "
+        "requests gathered whole; the cost is the GPU idle up to that long while items of its modality "
+        "from other requests wait too. Single-item requests never wait for it. 0 batches what is ready.",
+    )
     gil_switch_interval_ms: float = Field(
         default=0.1,
         gt=0,

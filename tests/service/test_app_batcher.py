@@ -161,6 +161,98 @@ def test_a_lone_request_does_not_wait_out_the_queue_delay() -> None:
     assert engine.batch_sizes() == [1]
 
 
+class SlowMedia(FakeEngine):
+    """Each media item decodes for as many seconds as its bytes say (b"0.1": 100 ms)."""
+
+    def prepare_many(self, items: Any, options: PrepareOptions, cancel: Any = None) -> Any:
+        for item in items:
+            if item.modality != "text":
+                time.sleep(float(b"".join(p.data for p in item.parts if isinstance(p, MediaPart))))
+        return super().prepare_many(items, options, cancel)
+
+
+def image(seconds: float) -> Item:
+    return Item((MediaPart("image", str(seconds).encode()),))
+
+
+def image_batches(engine: FakeEngine) -> list[int]:
+    return [len(b) for b in engine.batches if b[0].modality == "image"]
+
+
+@pytest.mark.parametrize("gather_s", [1.0, 0.0])
+def test_a_requests_images_wait_for_each_other_in_one_batch(gather_s: float) -> None:
+    """12 images of one call on 4 threads, 30 ms each, arrive in three waves: the request gather runs
+    them as one batch; without it the batcher runs each wave as it comes."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> tuple[Embedded, float]:
+        start = time.monotonic()
+        return await b.embed([image(0.03)] * 12, OPTS), time.monotonic() - start
+
+    result, elapsed = run(
+        engine,
+        body,
+        max_request_gather_s=gather_s,
+        preprocess_workers=4,
+        max_batch_items=16,
+        max_batch_tokens=16 * 284,
+    )
+    assert result.vectors.shape == (12, 768)
+    if gather_s:
+        assert image_batches(engine) == [12]
+        assert elapsed < 0.6, f"{elapsed:.2f} s: the batch waited past its last image"
+    else:
+        assert len(image_batches(engine)) >= 3, image_batches(engine)
+
+
+def test_a_gathered_batch_runs_once_its_own_requests_items_are_in() -> None:
+    """Another request's image still decoding (500 ms) does not hold back a batch whose request has all
+    its items queued."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> float:
+        start = time.monotonic()
+        other = asyncio.create_task(b.embed([image(0.5)], OPTS))
+        await b.embed([image(0.03)] * 4, OPTS)
+        waited = time.monotonic() - start
+        await other
+        return waited
+
+    waited = run(engine, body, max_request_gather_s=1.0, preprocess_workers=5, max_batch_tokens=8 * 284)
+    assert image_batches(engine) == [4, 1]
+    assert waited < 0.3, f"the four images waited {waited:.2f} s"
+
+
+def test_the_request_gather_stops_at_its_limit() -> None:
+    """One thread, 100 ms an image: each image waits 50 ms for the next, then runs without it."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed([image(0.1)] * 3, OPTS)
+
+    run(engine, body, max_request_gather_s=0.05, preprocess_workers=1)
+    assert image_batches(engine) == [1, 1, 1]
+
+
+def test_the_request_gather_gives_way_to_another_modalitys_items() -> None:
+    """An image waits for its request's second (400 ms to decode) only while nothing else is queued:
+    a text request queued meanwhile ends the wait, and the GPU runs the image, then the text."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> float:
+        slow = asyncio.create_task(b.embed([image(0.0), image(0.4)], OPTS))
+        await until(lambda: b.queued() == 1)  # the first image, waiting for the second
+        start = time.monotonic()
+        await b.embed(items("meanwhile"), OPTS)
+        waited = time.monotonic() - start
+        await slow
+        return waited
+
+    waited = run(engine, body, max_request_gather_s=1.0, inline_prepare_chars=100)
+    assert [(b[0].modality, len(b)) for b in engine.batches] == [("image", 1), ("text", 1), ("image", 1)]
+    assert waited < 0.3, f"the text waited {waited:.2f} s behind the image's gather"
+
+
 def test_exactly_one_gpu_thread_and_preprocessing_overlaps() -> None:
     engine = FakeEngine(prepare_delay_s=0.002)
 
