@@ -8,11 +8,11 @@
              media tokens decoded ahead of the GPU stay under their budget); a request's short text
              is tokenized on the event loop instead, where the thread hop would cost more
              └─► per-modality queues of prepared items
-                   └─► scheduler (event loop): pick the modality with the oldest item; while items
-                       of that modality are still in preprocessing, wait for them (max_queue_delay
-                       at most; max_request_gather more for the oldest item's own request's items
-                       while nothing else is queued); take the oldest item plus the queued items
-                       closest to it in cost, under max_batch_tokens and max_batch_items
+                   └─► scheduler (event loop): oldest first, the first modality whose batch is
+                       ready: full, or nothing of its modality in preprocessing, or its oldest item
+                       waited max_queue_delay (plus max_request_gather while that item's own
+                       request still has media in preprocessing); take the oldest item plus the
+                       queued items closest to it in cost, under max_batch_tokens and max_batch_items
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step of up
@@ -374,8 +374,8 @@ class Batcher:
         inline_prepare_chars: int,
         max_request_tokens: int,
         max_prepared_media_tokens: int,
+        max_request_gather_s: float,
         max_request_segments: int = 512,
-        max_request_gather_s: float = 0.0,
         gpu_thread: Threads | None = None,
         prepare_processes: int = 0,
     ) -> None:
@@ -823,38 +823,48 @@ class Batcher:
                 self._metrics.queue_depth.labels(modality).set(len(q))
 
     async def _next_batch(self) -> list[_Work]:
+        """The next batch: of the modalities with queued items, oldest head first, the first whose
+        batch is ready (full, nothing more of its modality in preprocessing, or its head's deadline
+        passed); else wait for the nearest deadline or a change. A modality waiting for its items
+        in preprocessing never holds up another's ready batch."""
         while True:
             if self._dead_queued:
                 self._sweep()
-            heads = [(q.items[0].enqueued, m) for m, q in self._queues.items() if q]
+            heads = sorted((q.items[0].enqueued, m) for m, q in self._queues.items() if q)
             if not heads:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            _, modality = min(heads)
-            q = self._queues[modality]
-            tokens = self.batch_tokens(modality)
-            full = len(q) >= self.max_batch_items or q.tokens >= tokens
-            wait_s = self._deadline(q.items[0], alone=len(heads) == 1) - time.monotonic()
-            if full or wait_s <= 0 or self._preparing[modality] <= 0:
-                batch = q.take(tokens, self.max_batch_items, self._window)
-                self._metrics.queue_depth.labels(modality).set(len(q))
-                return batch
+            now = time.monotonic()
+            waits = []
+            for _, modality in heads:
+                q = self._queues[modality]
+                tokens = self.batch_tokens(modality)
+                full = len(q) >= self.max_batch_items or q.tokens >= tokens
+                wait_s = self._deadline(q.items[0]) - now
+                if full or wait_s <= 0 or self._preparing[modality] <= 0:
+                    batch = q.take(tokens, self.max_batch_items, self._window)
+                    self._metrics.queue_depth.labels(modality).set(len(q))
+                    return batch
+                waits.append(wait_s)
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), wait_s)
+                await asyncio.wait_for(self._wakeup.wait(), min(waits))
 
-    def _deadline(self, head: _Work, alone: bool) -> float:
-        """When the batch `head` starts closes, if not full first: the queue delay after the head was
-        queued, and the request gather past it while the head's own request still has items of its
-        modality in preprocessing and no other modality's items are queued (`alone`).
+    def _deadline(self, head: _Work) -> float:
+        """When the batch that `head` starts closes, unless it fills first or nothing more of its
+        modality is in preprocessing: max_queue_delay after the head was queued, and the request
+        gather past that while the head's own request still has media of its modality in
+        preprocessing (a stream's steps are not counted).
 
-        A request is answered when its last row is: its items split over several batches as they
-        finish decoding cost it a pass each (16 images as ~3 batches of ~6) and share the CPU with
-        the decoding still running, while one batch that waits for them costs one pass. A request
-        of one item, or items of the GPU's other queues, never wait for it."""
+        A request is answered when its last row is. Its items split over batches as they finish
+        decoding cost it a GPU pass each (16 images as ~3 batches of ~6) and share the CPU with the
+        decoding still running; one batch that waits for them costs one pass. The gather runs from
+        each batch's head, so a request whose items trickle in (a slow decode, a full media budget)
+        can cost it once per batch. Other requests' items of the modality wait with it; other
+        modalities' ready batches run meanwhile (_next_batch)."""
         deadline = head.enqueued + self._delay_s
-        if alone and head.request.preparing[head.item.modality] > 0:
+        if head.request.preparing[head.item.modality] > 0:
             deadline += self._gather_s
         return deadline
 

@@ -233,8 +233,8 @@ class Service:
                 inline_prepare_chars=s.inline_prepare_chars,
                 max_request_tokens=s.max_request_tokens,
                 max_prepared_media_tokens=self.prepared_media_tokens(),
-                max_request_segments=s.max_request_segments,
                 max_request_gather_s=s.max_request_gather_ms / 1000,
+                max_request_segments=s.max_request_segments,
                 gpu_thread=gpu,
                 prepare_processes=self.prepare_processes(),
             )

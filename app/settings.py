@@ -159,12 +159,14 @@ class Settings(BaseSettings):
     max_request_gather_ms: float = Field(
         default=50.0,
         ge=0,
-        description="How much longer than max_queue_delay_ms a batch waits for the items of its oldest "
-        "item's own request still in preprocessing, while no other modality has items queued: a "
-        "request's media items run in one GPU batch instead of several formed as each finishes decoding "
-        "(16 images in one call: one pass instead of about three, see docs/PERF.md). Larger: bigger "
-        "requests gathered whole; the cost is the GPU idle up to that long while items of its modality "
-        "from other requests wait too. Single-item requests never wait for it. 0 batches what is ready.",
+        allow_inf_nan=False,
+        description="How much longer than max_queue_delay_ms a batch waits for the media of its oldest "
+        "item's own request still in preprocessing, so that a call's images or clips run as one GPU "
+        "batch rather than as the waves they finish decoding in (docs/PERF.md measures it). It counts "
+        "from each batch's oldest item, and ends as soon as that request's items are all in. Larger: "
+        "bigger requests gathered whole; the cost is up to that long with the GPU idle for that "
+        "modality, while other requests' items of it wait in the same batch (other modalities' batches "
+        "run meanwhile). 0 batches what is ready.",
     )
     gil_switch_interval_ms: float = Field(
         default=0.1,

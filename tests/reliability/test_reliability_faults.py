@@ -278,6 +278,7 @@ def _batcher(engine: FakeEngine) -> Batcher:
         max_batch_tokens=1000,
         max_batch_items=8,
         max_queue_delay_s=0.001,
+        max_request_gather_s=0.05,
         max_queued_items=100,
         preprocess_workers=2,
         stall_timeout_s=60,

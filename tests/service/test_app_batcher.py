@@ -45,6 +45,7 @@ def run(
         "max_batch_tokens": 1000,
         "max_batch_items": 8,
         "max_queue_delay_s": 0.002,
+        "max_request_gather_s": 0.05,  # the setting's default
         "max_queued_items": 1000,
         "preprocess_workers": 2,
         "stall_timeout_s": 60,
@@ -230,13 +231,14 @@ def test_the_request_gather_stops_at_its_limit() -> None:
     async def body(b: Batcher) -> Embedded:
         return await b.embed([image(0.1)] * 3, OPTS)
 
-    run(engine, body, max_request_gather_s=0.05, preprocess_workers=1)
+    result = run(engine, body, max_request_gather_s=0.05, preprocess_workers=1)
     assert image_batches(engine) == [1, 1, 1]
+    assert result.queue_s >= 0.04, f"the images waited {result.queue_s:.3f} s: no gather"
 
 
-def test_the_request_gather_gives_way_to_another_modalitys_items() -> None:
-    """An image waits for its request's second (400 ms to decode) only while nothing else is queued:
-    a text request queued meanwhile ends the wait, and the GPU runs the image, then the text."""
+def test_another_modality_runs_while_a_request_gathers() -> None:
+    """An image waits for its request's second (400 ms to decode); a text queued meanwhile runs at
+    once, and the two images still share one batch."""
     engine = SlowMedia()
 
     async def body(b: Batcher) -> float:
@@ -249,8 +251,43 @@ def test_the_request_gather_gives_way_to_another_modalitys_items() -> None:
         return waited
 
     waited = run(engine, body, max_request_gather_s=1.0, inline_prepare_chars=100)
-    assert [(b[0].modality, len(b)) for b in engine.batches] == [("image", 1), ("text", 1), ("image", 1)]
+    assert [(b[0].modality, len(b)) for b in engine.batches] == [("text", 1), ("image", 2)]
     assert waited < 0.3, f"the text waited {waited:.2f} s behind the image's gather"
+
+
+def test_a_request_ending_mid_gather_frees_the_items_behind_it() -> None:
+    """Another request's image waits in the gathering batch; when the gathering request is cancelled,
+    that image runs at once rather than at the gather's end."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> float:
+        gathering = asyncio.create_task(b.embed([image(0.0), image(0.5)], OPTS))
+        await until(lambda: b.queued() == 1)
+        behind = asyncio.create_task(b.embed([image(0.01)], OPTS))
+        await until(lambda: b.queued() == 2)
+        start = time.monotonic()
+        gathering.cancel()
+        await behind
+        return time.monotonic() - start
+
+    waited = run(engine, body, max_request_gather_s=2.0)
+    assert waited < 0.3, f"the image behind waited {waited:.2f} s after the gathering request ended"
+    assert image_batches(engine) == [1]
+
+
+def test_a_request_larger_than_the_media_budget_is_not_held_by_the_gather() -> None:
+    """Four images with room for two decoded at once (284 tokens each): the others cannot start
+    until the first two are embedded, so the first batch goes without them, not after the gather."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> float:
+        start = time.monotonic()
+        await b.embed([image(0.01)] * 4, OPTS)
+        return time.monotonic() - start
+
+    elapsed = run(engine, body, max_request_gather_s=2.0, max_prepared_media_tokens=2 * 284)
+    assert image_batches(engine) == [2, 2]
+    assert elapsed < 1.0, f"{elapsed:.2f} s: a batch waited out the gather for items not yet started"
 
 
 def test_exactly_one_gpu_thread_and_preprocessing_overlaps() -> None:
