@@ -841,7 +841,7 @@ class Batcher:
                 q = self._queues[modality]
                 tokens = self.batch_tokens(modality)
                 full = len(q) >= self.max_batch_items or q.tokens >= tokens
-                wait_s = self._deadline(q.items[0]) - now
+                wait_s = self._deadline(q, tokens) - now
                 if full or wait_s <= 0 or self._preparing[modality] <= 0:
                     batch = q.take(tokens, self.max_batch_items, self._window)
                     self._metrics.queue_depth.labels(modality).set(len(q))
@@ -851,11 +851,12 @@ class Batcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), min(waits))
 
-    def _deadline(self, head: _Work) -> float:
-        """When the batch that `head` starts closes, unless it fills first or nothing more of its
-        modality is in preprocessing: max_queue_delay after the head was queued, and the request
-        gather past that while the head's own request still has media of its modality in
-        preprocessing (a stream's steps are not counted).
+    def _deadline(self, q: _Queue, tokens: int) -> float:
+        """When the batch that the queue's head starts closes, unless it fills first or nothing more
+        of its modality is in preprocessing: max_queue_delay after the head was queued, and the
+        request gather past that while the head's own request still has media of its modality in
+        preprocessing (a stream's steps are not counted) and the batch has room for another item
+        of the head's cost under `tokens`: a batch that can take no more never waits.
 
         A request is answered when its last row is. Its items split over batches as they finish
         decoding cost it a GPU pass each (16 images as ~3 batches of ~6) and share the CPU with the
@@ -863,8 +864,10 @@ class Batcher:
         each batch's head, so a request whose items trickle in (a slow decode, a full media budget)
         can cost it once per batch. Other requests' items of the modality wait with it; other
         modalities' ready batches run meanwhile (_next_batch)."""
+        head = q.items[0]
         deadline = head.enqueued + self._delay_s
-        if head.request.preparing[head.item.modality] > 0:
+        room = q.tokens + head.item.cost <= tokens  # (items past max_batch_items: full already)
+        if room and head.request.preparing[head.item.modality] > 0:
             deadline += self._gather_s
         return deadline
 

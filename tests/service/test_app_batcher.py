@@ -224,6 +224,28 @@ def test_a_gathered_batch_runs_once_its_own_requests_items_are_in() -> None:
     assert waited < 0.3, f"the four images waited {waited:.2f} s"
 
 
+def test_a_batch_with_no_room_for_another_item_does_not_gather() -> None:
+    """Six images, three fit a batch: the first three (decoded at once) run without waiting for the
+    other three (300 ms), which cannot join their batch anyway."""
+    starts: list[float] = []
+
+    class Timed(SlowMedia):
+        def embed(self, batch: Any) -> Any:
+            starts.append(time.monotonic())
+            return super().embed(batch)
+
+    engine = Timed()
+
+    async def body(b: Batcher) -> float:
+        start = time.monotonic()
+        await b.embed([image(0.0)] * 3 + [image(0.3)] * 3, OPTS)
+        return start
+
+    start = run(engine, body, max_request_gather_s=1.0, preprocess_workers=6, max_batch_tokens=3 * 284 + 100)
+    assert image_batches(engine) == [3, 3]
+    assert starts[0] - start < 0.2, f"the first batch started after {starts[0] - start:.2f} s"
+
+
 def test_the_request_gather_stops_at_its_limit() -> None:
     """One thread, 100 ms an image: each image waits 50 ms for the next, then runs without it."""
     engine = SlowMedia()
