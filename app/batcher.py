@@ -269,7 +269,9 @@ class _Request:
         self.failed = 0  # items whose preparation failed (they fail the request; not "dropped")
         self.refused = False  # refused by the cost check before any work: nothing to drop
         self.held: dict[tuple[int, int], int] = {}  # (item, span or -1) -> its tokens in the media budget
-        self.preparing: Counter[str] = Counter()  # its items in preprocessing jobs, by modality
+        # Its items in preprocessing jobs, by modality, and their estimated tokens (media; text 0).
+        self.preparing: Counter[str] = Counter()
+        self.preparing_tokens: Counter[str] = Counter()
 
     @property
     def dead(self) -> bool:
@@ -587,9 +589,15 @@ class Batcher:
             self._metrics.admitted_items.set(self.admitted)
 
     def _submit(
-        self, request: _Request, items: Sequence[Item], group: list[int], options: PrepareOptions
+        self,
+        request: _Request,
+        items: Sequence[Item],
+        group: list[int],
+        options: PrepareOptions,
+        tokens: int = 0,
     ) -> None:
-        """One preprocessing job for these items of the request (its text, or one media item)."""
+        """One preprocessing job for these items of the request (its text, or one media item of
+        `tokens` estimated tokens)."""
         modality = items[group[0]].modality  # a group is one modality (text, or one media item)
         job = [items[i] for i in group]
         if modality == "text" and self._inline(job, options):
@@ -601,7 +609,8 @@ class Batcher:
         # Counted before the callback is attached; it runs from the loop, so never before this.
         self._preparing[modality] += len(group)
         request.preparing[modality] += len(group)
-        prep.add_done_callback(functools.partial(self._prepared, request, group, modality))
+        request.preparing_tokens[modality] += tokens
+        prep.add_done_callback(functools.partial(self._prepared, request, group, modality, tokens))
         request.prep_futures.append(prep)
 
     def _in_process(self, job: list[Item], options: PrepareOptions) -> asyncio.Future[list[Any]]:
@@ -635,7 +644,7 @@ class Batcher:
             request.held[group[0], -1] = tokens
             if request.dead:
                 return
-            self._submit(request, items, group, options)
+            self._submit(request, items, group, options, tokens)
 
     async def _stream(
         self, request: _Request, index: int, item: Item, estimate: Estimate, options: PrepareOptions
@@ -766,10 +775,16 @@ class Batcher:
                 h.observe(share)
 
     def _prepared(
-        self, request: _Request, indices: list[int], modality: str, prep: asyncio.Future[list[Any]]
+        self,
+        request: _Request,
+        indices: list[int],
+        modality: str,
+        tokens: int,
+        prep: asyncio.Future[list[Any]],
     ) -> None:
         self._preparing[modality] -= len(indices)  # done, failed or cancelled: no longer on the way
         request.preparing[modality] -= len(indices)
+        request.preparing_tokens[modality] -= tokens
         self._wakeup.set()  # the scheduler may be waiting for these, or now has them queued
         if prep.cancelled():
             return
@@ -855,20 +870,24 @@ class Batcher:
         """When the batch that the queue's head starts closes, unless it fills first or nothing more
         of its modality is in preprocessing: max_queue_delay after the head was queued, and the
         request gather past that while the head's own request still has media of its modality in
-        preprocessing (a stream's steps are not counted) and the batch has room for another item
-        of the head's cost under `tokens`: a batch that can take no more never waits.
+        preprocessing (a stream's steps are not counted), as long as all of them would fit this
+        batch (their estimated tokens under `tokens`, their count under max_batch_items).
 
         A request is answered when its last row is. Its items split over batches as they finish
-        decoding cost it a GPU pass each (16 images as ~3 batches of ~6) and share the CPU with the
-        decoding still running; one batch that waits for them costs one pass. The gather runs from
+        decoding cost it a GPU pass each (16 images as ~3 batches of ~6); one batch that waits for
+        them costs one pass. A request that needs several batches anyway gathers only its last: its
+        earlier batches run as their items are ready, beside the decoding of the rest (16 clips, 13
+        to a batch: 8 + 8 as the two waves come, not 13 held for the second wave + 3). The gather runs from
         each batch's head, so a request whose items trickle in (a slow decode, a full media budget)
         can cost it once per batch. Other requests' items of the modality wait with it; other
         modalities' ready batches run meanwhile (_next_batch)."""
         head = q.items[0]
         deadline = head.enqueued + self._delay_s
-        room = q.tokens + head.item.cost <= tokens  # (items past max_batch_items: full already)
-        if room and head.request.preparing[head.item.modality] > 0:
-            deadline += self._gather_s
+        request, modality = head.request, head.item.modality
+        if (pending := request.preparing[modality]) > 0:
+            fits = q.tokens + request.preparing_tokens[modality] <= tokens
+            if fits and len(q) + pending <= self.max_batch_items:
+                deadline += self._gather_s
         return deadline
 
     async def _gpu_call(self, batch: Sequence[PreparedItem]) -> np.ndarray:

@@ -224,9 +224,11 @@ def test_a_gathered_batch_runs_once_its_own_requests_items_are_in() -> None:
     assert waited < 0.3, f"the four images waited {waited:.2f} s"
 
 
-def test_a_batch_with_no_room_for_another_item_does_not_gather() -> None:
-    """Six images, three fit a batch: the first three (decoded at once) run without waiting for the
-    other three (300 ms), which cannot join their batch anyway."""
+@pytest.mark.parametrize("limit", [{"max_batch_tokens": 13 * 284}, {"max_batch_items": 13}])
+def test_a_request_that_needs_two_batches_does_not_hold_its_first(limit: dict[str, int]) -> None:
+    """16 images in two waves of 8 (the second 1 s later), 13 to a batch by tokens or by count: the
+    first wave runs at once rather than waiting to fill its batch from the second; the second wave,
+    which fits one batch, runs as one."""
     starts: list[float] = []
 
     class Timed(SlowMedia):
@@ -238,12 +240,19 @@ def test_a_batch_with_no_room_for_another_item_does_not_gather() -> None:
 
     async def body(b: Batcher) -> float:
         start = time.monotonic()
-        await b.embed([image(0.0)] * 3 + [image(0.3)] * 3, OPTS)
+        await b.embed([image(0.0)] * 8 + [image(1.0)] * 8, OPTS)
         return start
 
-    start = run(engine, body, max_request_gather_s=1.0, preprocess_workers=6, max_batch_tokens=3 * 284 + 100)
-    assert image_batches(engine) == [3, 3]
-    assert starts[0] - start < 0.2, f"the first batch started after {starts[0] - start:.2f} s"
+    start = run(
+        engine,
+        body,
+        **({"max_batch_tokens": 64 * 284, "max_batch_items": 64} | limit),
+        max_request_gather_s=2.0,
+        preprocess_workers=16,
+        max_queue_delay_s=0.1,
+    )
+    assert image_batches(engine) == [8, 8]
+    assert starts[0] - start < 0.5, f"the first batch started after {starts[0] - start:.2f} s"
 
 
 def test_the_request_gather_stops_at_its_limit() -> None:
