@@ -11,8 +11,9 @@
                    └─► scheduler (event loop): oldest first, the first modality whose batch is
                        ready: full, or nothing of its modality in preprocessing, or its oldest item
                        waited max_queue_delay (plus max_request_gather while that item's own
-                       request still has media in preprocessing); take the oldest item plus the
-                       queued items closest to it in cost, under max_batch_tokens and max_batch_items
+                       request still has media in preprocessing, all fitting the batch); take the
+                       oldest item plus the queued items closest to it in cost, under
+                       max_batch_tokens and max_batch_items
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step of up

@@ -162,9 +162,10 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="How much longer than max_queue_delay_ms a batch waits for the media of its oldest "
         "item's own request still in preprocessing, so that a call's images or clips run as one GPU "
-        "batch rather than as the waves they finish decoding in (docs/PERF.md measures it). It counts "
-        "from each batch's oldest item, and ends as soon as that request's items are all in or the "
-        "batch has no room for another. Larger: "
+        "batch rather than as the waves they finish decoding in (docs/PERF.md measures it). It applies "
+        "while all of that request's items still decoding would fit the batch (a request that needs "
+        "several batches runs its first ones as their items come), counts from each batch's oldest "
+        "item, and ends as soon as those items are all in. Larger: "
         "bigger requests gathered whole; the cost is up to that long with the GPU idle for that "
         "modality, while other requests' items of it wait in the same batch (other modalities' batches "
         "run meanwhile). 0 batches what is ready.",
