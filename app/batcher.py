@@ -11,7 +11,7 @@
                    └─► scheduler (event loop): oldest first, the first modality whose batch is
                        ready: full, or nothing of its modality in preprocessing, or its oldest item
                        waited max_queue_delay (plus max_request_gather while that item's own
-                       request still has media in preprocessing, all fitting the batch); take the
+                       request still has media in preprocessing, up to its share); take the
                        oldest item plus the queued items closest to it in cost, under
                        max_batch_tokens and max_batch_items
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
@@ -526,7 +526,7 @@ class Batcher:
             media = [g for g in groups if items[g[0]].modality != "text"]
             for group in groups:
                 if items[group[0]].modality == "text":
-                    self._submit(request, items, group, options)
+                    self._submit(request, items, group, options, tokens=0)  # text: no estimate used
             costs = [e.tokens for e in estimates]
             if media:  # each as the media budget allows: decoding waits for the GPU to catch up
                 feeders.append(asyncio.create_task(self._feed(request, items, media, costs, options)))
@@ -595,7 +595,7 @@ class Batcher:
         items: Sequence[Item],
         group: list[int],
         options: PrepareOptions,
-        tokens: int = 0,
+        tokens: int,
     ) -> None:
         """One preprocessing job for these items of the request (its text, or one media item of
         `tokens` estimated tokens)."""
@@ -645,7 +645,7 @@ class Batcher:
             request.held[group[0], -1] = tokens
             if request.dead:
                 return
-            self._submit(request, items, group, options, tokens)
+            self._submit(request, items, group, options, tokens=tokens)
 
     async def _stream(
         self, request: _Request, index: int, item: Item, estimate: Estimate, options: PrepareOptions
@@ -871,25 +871,35 @@ class Batcher:
         """When the batch that the queue's head starts closes, unless it fills first or nothing more
         of its modality is in preprocessing: max_queue_delay after the head was queued, and the
         request gather past that while the head's own request still has media of its modality in
-        preprocessing (a stream's steps are not counted), as long as all of them would fit this
-        batch (their estimated tokens under `tokens`, their count under max_batch_items).
+        preprocessing (a stream's steps are not counted), until the batch holds its share
+        (_share) of the queue and those items.
 
         A request is answered when its last row is. Its items split over batches as they finish
         decoding cost it a GPU pass each (16 images as ~3 batches of ~6); one batch that waits for
-        them costs one pass. A request that needs several batches anyway gathers only its last: its
-        earlier batches run as their items are ready, beside the decoding of the rest (16 clips, 13
-        to a batch: 8 + 8 as the two waves come, not 13 held for the second wave + 3). The gather runs from
+        them costs one pass. A request that needs several batches anyway gathers an even share for
+        each (16 clips, 13 to a batch: 8 + 8 as the two decoding waves come, not 13 held for the
+        second wave + 3; items decoding one by one: 8 + 8, not 1 + 1 + ...). The gather runs from
         each batch's head, so a request whose items trickle in (a slow decode, a full media budget)
         can cost it once per batch. Other requests' items of the modality wait with it; other
         modalities' ready batches run meanwhile (_next_batch)."""
         head = q.items[0]
         deadline = head.enqueued + self._delay_s
         request, modality = head.request, head.item.modality
-        if (pending := request.preparing[modality]) > 0:
-            fits = q.tokens + request.preparing_tokens[modality] <= tokens
-            if fits and len(q) + pending <= self.max_batch_items:
-                deadline += self._gather_s
+        pending = request.preparing[modality]
+        if pending > 0 and len(q) < self._share(q, pending, request.preparing_tokens[modality], tokens):
+            deadline += self._gather_s
         return deadline
+
+    def _share(self, q: _Queue, pending: int, pending_tokens: int, tokens: int) -> int:
+        """How many items a batch should hold of the queue plus `pending` items still decoding
+        (`pending_tokens` by their header estimates: text at one token per character, so an item
+        with much text may look larger than it is): all of them when they fit one batch, else an
+        even share of the batches they need under `tokens` and max_batch_items."""
+        items = len(q) + pending
+        batches = max(
+            math.ceil((q.tokens + pending_tokens) / max(tokens, 1)), math.ceil(items / self.max_batch_items)
+        )
+        return math.ceil(items / batches)
 
     async def _gpu_call(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         self._busy_since = time.monotonic()

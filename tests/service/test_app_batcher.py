@@ -255,6 +255,26 @@ def test_a_request_that_needs_two_batches_does_not_hold_its_first(limit: dict[st
     assert starts[0] - start < 0.5, f"the first batch started after {starts[0] - start:.2f} s"
 
 
+def test_a_request_decoding_one_item_at_a_time_gathers_an_even_share_per_batch() -> None:
+    """16 images done 20 ms apart, 13 to a batch: two batches of 8, neither single items as they come
+    nor 13 held for the rest and then 3."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed([image(0.02 * i) for i in range(16)], OPTS)
+
+    result = run(
+        engine,
+        body,
+        max_request_gather_s=2.0,
+        preprocess_workers=16,
+        max_batch_items=13,
+        max_batch_tokens=64 * 284,
+    )
+    assert result.vectors.shape == (16, 768)
+    assert image_batches(engine) == [8, 8]
+
+
 def test_the_request_gather_stops_at_its_limit() -> None:
     """One thread, 100 ms an image: each image waits 50 ms for the next, then runs without it."""
     engine = SlowMedia()
