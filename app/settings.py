@@ -162,10 +162,11 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="How much longer than max_queue_delay_ms a batch waits for the media of its oldest "
         "item's own request still in preprocessing, so that a call's images or clips run as one GPU "
-        "batch rather than as the waves they finish decoding in (docs/PERF.md measures it). It applies "
-        "while all of that request's items still decoding would fit the batch (a request that needs "
-        "several batches runs its first ones as their items come), counts from each batch's oldest "
-        "item, and ends as soon as those items are all in. Larger: "
+        "batch rather than as the waves they finish decoding in (docs/PERF.md measures it); a request "
+        "that needs several batches gathers an even share for each. It counts from each batch's "
+        "oldest item, and ends when the batch holds its share (other requests' items queued count "
+        "toward it), when the batch fills, or at this limit. Sizes come from the media's header "
+        "estimates (an item's text at one token per character). Larger: "
         "bigger requests gathered whole; the cost is up to that long with the GPU idle for that "
         "modality, while other requests' items of it wait in the same batch (other modalities' batches "
         "run meanwhile). 0 batches what is ready.",
