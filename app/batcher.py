@@ -894,12 +894,12 @@ class Batcher:
         """How many items a batch should hold of the queue plus `pending` items still decoding
         (`pending_tokens` by their header estimates: text at one token per character, so an item
         with much text may look larger than it is): all of them when they fit one batch, else an
-        even share of the batches they need under `tokens` and max_batch_items."""
+        even share of the batches they need, at their mean cost under `tokens` and max_batch_items
+        (never more than one batch takes: three items of which one fits a batch share 1, not 2)."""
         items = len(q) + pending
-        batches = max(
-            math.ceil((q.tokens + pending_tokens) / max(tokens, 1)), math.ceil(items / self.max_batch_items)
-        )
-        return math.ceil(items / batches)
+        cost = max(1, (q.tokens + pending_tokens) // items)  # an item's mean cost
+        per_batch = max(1, min(self.max_batch_items, tokens // cost))
+        return math.ceil(items / math.ceil(items / per_batch))
 
     async def _gpu_call(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         self._busy_since = time.monotonic()

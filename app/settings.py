@@ -162,11 +162,12 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="How much longer than max_queue_delay_ms a batch waits for the media of its oldest "
         "item's own request still in preprocessing, so that a call's images or clips run as one GPU "
-        "batch rather than as the waves they finish decoding in (docs/PERF.md measures it); a request "
-        "that needs several batches gathers an even share for each. It counts from each batch's "
-        "oldest item, and ends when the batch holds its share (other requests' items queued count "
-        "toward it), when the batch fills, or at this limit. Sizes come from the media's header "
-        "estimates (an item's text at one token per character). Larger: "
+        "batch rather than as the waves they finish decoding in (docs/PERF.md measures the first version "
+        "of this rule); a request that needs several batches gathers an even share for each. It counts "
+        "from each batch's oldest item, and ends when the queue holds the batch's share (other "
+        "requests' items queued count toward it), when the batch fills, or at this limit. Items still "
+        "decoding are sized by their header estimates (an item's text at one token per character). "
+        "Larger: "
         "bigger requests gathered whole; the cost is up to that long with the GPU idle for that "
         "modality, while other requests' items of it wait in the same batch (other modalities' batches "
         "run meanwhile). 0 batches what is ready.",

@@ -256,12 +256,12 @@ def test_a_request_that_needs_two_batches_does_not_hold_its_first(limit: dict[st
 
 
 def test_a_request_decoding_one_item_at_a_time_gathers_an_even_share_per_batch() -> None:
-    """16 images done 20 ms apart, 13 to a batch: two batches of 8, neither single items as they come
+    """16 images done 40 ms apart, 13 to a batch: two batches of 8, neither single items as they come
     nor 13 held for the rest and then 3."""
     engine = SlowMedia()
 
     async def body(b: Batcher) -> Embedded:
-        return await b.embed([image(0.02 * i) for i in range(16)], OPTS)
+        return await b.embed([image(0.04 * i) for i in range(16)], OPTS)
 
     result = run(
         engine,
@@ -273,6 +273,19 @@ def test_a_request_decoding_one_item_at_a_time_gathers_an_even_share_per_batch()
     )
     assert result.vectors.shape == (16, 768)
     assert image_batches(engine) == [8, 8]
+
+
+def test_a_batch_that_can_take_no_more_does_not_gather() -> None:
+    """One image to a batch (284 of 500 tokens): the first runs at once, not after the second
+    decodes (300 ms), which could not join it."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> Embedded:
+        return await b.embed([image(0.0), image(0.3), image(0.3)], OPTS)
+
+    result = run(engine, body, max_request_gather_s=1.0, preprocess_workers=3, max_batch_tokens=500)
+    assert image_batches(engine) == [1, 1, 1]
+    assert result.queue_s < 0.15, f"an image waited {result.queue_s:.2f} s for one that could not join it"
 
 
 def test_the_request_gather_stops_at_its_limit() -> None:
