@@ -167,10 +167,9 @@ class Settings(BaseSettings):
         "from each batch's oldest item, and ends when the queue holds the batch's share (other "
         "requests' items queued count toward it), when the batch fills, or at this limit. Items still "
         "decoding are sized by their header estimates (an item's text at one token per character). "
-        "Larger: "
-        "bigger requests gathered whole; the cost is up to that long with the GPU idle for that "
-        "modality, while other requests' items of it wait in the same batch (other modalities' batches "
-        "run meanwhile). 0 batches what is ready.",
+        "Larger: bigger requests gathered whole; the cost is up to that long with the GPU idle for "
+        "that modality, while other requests' items of it wait in the same batch (other modalities' "
+        "batches run meanwhile). 0 batches what is ready.",
     )
     gil_switch_interval_ms: float = Field(
         default=0.1,

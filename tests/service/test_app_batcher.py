@@ -22,7 +22,15 @@ from app.metrics import Metrics
 from eg2_runtime.api import Estimate
 from eg2_runtime.errors import EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, Segments, TextPart
-from tests.support.fake_engine import FORWARD_BUG, PREPARE_BUG, FakeEngine, assert_error, live, make_settings
+from tests.support.fake_engine import (
+    FORWARD_BUG,
+    PREPARE_BUG,
+    FakeEngine,
+    _blob,
+    assert_error,
+    live,
+    make_settings,
+)
 
 T = TypeVar("T")
 OPTS = PrepareOptions()
@@ -168,7 +176,7 @@ class SlowMedia(FakeEngine):
     def prepare_many(self, items: Any, options: PrepareOptions, cancel: Any = None) -> Any:
         for item in items:
             if item.modality != "text":
-                time.sleep(float(b"".join(p.data for p in item.parts if isinstance(p, MediaPart))))
+                time.sleep(float(_blob(item)))
         return super().prepare_many(items, options, cancel)
 
 
