@@ -1,6 +1,7 @@
-"""Probe (GPU): packed towers against BF16 ones, by how many layers the Unpacker unpacks ahead.
+"""Probe (GPU): packed towers against BF16 ones, by how the Unpacker's unpacks are scheduled.
 
-    python -m benchmarks.probe_unpack --out DIR [--ahead 1,2,3] [--seconds S]
+    python -m benchmarks.probe_unpack --out DIR [--ahead 1,2,3] [--priority] [--main-priority]
+                                      [--block-words 128,2048] [--repeat N] [--trace] [--seconds S]
     python -m benchmarks.probe_unpack --out /tmp/pu --device cpu --size tiny --seconds 0.1   # dry run
 
 For `eg2 bench`'s packed / BF16 cells on the media rows. Each variant runs in its own process, booted
@@ -12,12 +13,23 @@ alone. Per media row of the bench matrix (batches 1 and 8) it times, as the benc
 reports each w4 variant's forward as a ratio of BF16's (BF16 ms / w4 ms: 1.0 is parity). Each slot
 comes out of the graph pool at the same budget, so a deeper ring may capture fewer buckets: each
 variant's plan and tower graphs are in its JSON.
+
+The scheduling variants (each ahead 1): `--priority` captures the unpacks on a stream of the device's
+greatest priority, `--main-priority` captures the towers' own kernels (the graph capture stream) at
+that priority instead, so the unpacks yield to them; torch instantiates graphs with
+cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was captured
+on. `--block-words` runs the unpack kernel with that many int32 words a program (unpack_triton
+.BLOCK_WORDS; more words, fewer and longer programs). `--repeat` runs the whole list that many times,
+alternated, BF16 included. `--trace` profiles five forwards of image/b8, video/b1 and audio_short/b1
+per variant and sums the kernels per stream (stream_summary): whether the packed forward loses its
+time to slower matmuls beside the unpacks or to the main stream waiting on them.
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -42,7 +54,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from eg2_runtime.engine import Engine, EngineOptions
 
     if spec.get("priority"):
-        _high_priority_unpack_stream()
+        _high_priority_stream(spec["priority"])
+    if spec.get("block_words"):
+        from eg2_runtime import unpack_triton
+
+        unpack_triton.BLOCK_WORDS = spec["block_words"]  # read by dequantize_into at each launch
     options = EngineOptions(gpu_memory_budget=spec["budget"], unpack_ahead=spec["ahead"])
     engine = Engine.from_dir(spec["model_dir"], device=spec["device"], options=options)
     graphs = 0
@@ -59,6 +75,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             continue
         extras = runner.extras(w, budget, flops=False)
         rows[w.key] = {"embed_ms": extras["embed"]["p50_ms"], "forward_ms": extras["forward"]["p50_ms"]}
+        if spec.get("trace") and w.key in TRACED and engine.device.type == "cuda":
+            rows[w.key]["streams"] = stream_summary(engine, runner.forwards(runner.prepare(w.calls[0]))[0])
     towers = engine.towers
     return {
         "plan": engine.plan.describe() if engine.plan is not None else None,
@@ -71,20 +89,74 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _high_priority_unpack_stream() -> None:
-    """Make the Unpacker's side stream with the device's greatest stream priority: whether its
-    unpacks, queued behind the main stream's GEMMs for free SMs, then reach them sooner."""
+TRACED = ("image/b8", "video/b1", "audio_short/b1")
+GAP_US = 200.0  # a main-stream gap longer than this lies between forwards (the host), not in one
+
+
+def stream_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[str, Any]:
+    """Five forwards of one batch under torch.profiler, the kernels summed per stream (us per
+    forward): on the stream with the most kernel time (the towers' own), the time by kind (GEMMs,
+    attention, the rest), its busy time and the gaps between its kernels within a forward (the main
+    stream waiting, for a dependency or the host); on the others (the unpacks), their kernel time."""
+    import torch
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    ids, on_device = engine.device_batch([p.inputs for p in prepared])
+    with torch.inference_mode():
+        engine.forward(ids, on_device)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(forwards):
+                engine.forward(ids, on_device)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_stream: dict[int, list[Any]] = {}
+    for e in kernels:
+        by_stream.setdefault(e.device_resource_id, []).append(e)
+    main = max(by_stream, key=lambda s: sum(e.time_range.elapsed_us() for e in by_stream[s]))
+
+    def kind(name: str) -> str:
+        n = name.lower()
+        if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
+            return "gemm"
+        if any(k in n for k in ("fmha", "flash", "attention", "efficient")):
+            return "attention"
+        return "dequant" if "dequant" in n else "other"
+
+    out: dict[str, Any] = {"forwards": forwards, "streams": {}}
+    for stream, events in by_stream.items():
+        events.sort(key=lambda e: e.time_range.start)
+        kinds: dict[str, float] = {}
+        for e in events:
+            k = kind(e.name)
+            kinds[k] = kinds.get(k, 0.0) + e.time_range.elapsed_us() / forwards
+        row: dict[str, Any] = {
+            "kernels": len(events) / forwards,
+            "us": {k: round(v, 1) for k, v in kinds.items()},
+        }
+        if stream == main:
+            gaps = [b.time_range.start - a.time_range.end for a, b in itertools.pairwise(events)]
+            inner = [g for g in gaps if 0 < g < GAP_US]
+            row["gap_us"] = round(sum(inner) / forwards, 1)
+            row["gaps_over_5us"] = sum(g > 5 for g in inner) / forwards
+        out["streams"]["main" if stream == main else f"side {stream}"] = row
+    return out
+
+
+def _high_priority_stream(purpose: str) -> None:
+    """Make the side stream for `purpose` ("unpack", or "capture": the stream the tower graphs are
+    captured on) with the device's greatest stream priority; the other keeps the least."""
     import ctypes
 
     import torch
 
-    from eg2_runtime import quant, streams
+    from eg2_runtime import graphs, quant, streams
     from eg2_runtime.gpu_memory import cudart
 
     plain = streams.side_stream
 
     def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-        if purpose != "unpack":
+        if purpose != wanted:
             return plain(device, purpose)
         runtime = cudart()
         assert runtime is not None
@@ -94,10 +166,13 @@ def _high_priority_unpack_stream() -> None:
             runtime.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))
             err = runtime.cudaStreamCreateWithPriority(ctypes.byref(raw), 0x01, greatest)
         assert not err, f"CUDA error {err}"
-        print(f"unpack stream priority {greatest.value} (least {least.value})", flush=True)
+        print(f"{purpose} stream priority {greatest.value} (least {least.value})", flush=True)
         return torch.cuda.ExternalStream(raw.value, device=device)
 
-    vars(quant)["side_stream"] = side_stream  # the name quant.py imported; its Unpacker calls it
+    wanted = purpose
+    # The names quant.py and graphs.py imported: the Unpacker and the captures call them.
+    vars(quant)["side_stream"] = side_stream
+    vars(graphs)["side_stream"] = side_stream
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--priority", action="store_true", help="also run ahead 1 with a high-priority unpack stream"
     )
+    ap.add_argument(
+        "--main-priority", action="store_true", help="also run ahead 1 with high-priority tower kernels"
+    )
+    ap.add_argument("--block-words", default="", help="also run ahead 1 with these kernel block sizes")
+    ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times [1]")
+    ap.add_argument("--trace", action="store_true", help="sum each traced row's kernels per stream")
     ap.add_argument("--seconds", type=float, default=1.0, help="time box of each cell's timed rounds [1]")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--device", default="cuda")
@@ -121,22 +202,31 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"argv": sys.argv, "variants": {}}
     with checkpoints(None, args.cache_dir, args.size, print) as (bf16, w4):
-        variants: dict[str, tuple[Path, int | None, int]] = {
-            f"w4 ahead {a}": (w4, None, int(a)) for a in args.ahead.split(",")
+        one: dict[str, dict[str, Any]] = {
+            f"w4 ahead {a}": {"model_dir": w4, "ahead": int(a)} for a in args.ahead.split(",")
         }
         if args.priority:
-            variants["w4 ahead 1 high-priority"] = (w4, None, 1)
-        variants["bf16"] = (bf16, matched_budget(bf16, w4) if args.device == "cuda" else None, 1)
-        for name, (model_dir, budget, ahead) in variants.items():
-            tag = name.replace(" ", "-")
+            one["w4 unpack-priority"] = {"model_dir": w4, "priority": "unpack"}
+        if args.main_priority:
+            one["w4 main-priority"] = {"model_dir": w4, "priority": "capture"}
+        for words in filter(None, args.block_words.split(",")):
+            one[f"w4 block {words}"] = {"model_dir": w4, "block_words": int(words)}
+        budget = matched_budget(bf16, w4) if args.device == "cuda" else None
+        one["bf16"] = {"model_dir": bf16, "budget": budget}
+        variants = {
+            (name if r == 0 else f"{name} #{r + 1}"): v for r in range(args.repeat) for name, v in one.items()
+        }
+        for name, variant in variants.items():
+            tag = name.replace(" ", "-").replace("#", "")
             spec_path, out_path = args.out / f"{tag}.spec.json", args.out / f"{tag}.json"
             spec = {
-                "model_dir": str(model_dir),
-                "budget": budget,
-                "ahead": ahead,
-                "priority": name.endswith("high-priority"),
+                "budget": None,
+                "ahead": 1,
+                **variant,
+                "model_dir": str(variant["model_dir"]),
                 "seconds": args.seconds,
                 "device": args.device,
+                "trace": args.trace,
             }
             spec_path.write_text(json.dumps(spec | {"out": str(out_path)}))
             done = subprocess.run(
@@ -166,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 def table(results: dict[str, Any]) -> str:
     """Forward ms per row and variant, each w4 variant's as a ratio of BF16's (BF16 ms / w4 ms)."""
     variants = {k: v for k, v in results["variants"].items() if "rows" in v}
-    base = variants.get("bf16", {}).get("rows", {})
+    base = variants.get("bf16", {}).get("rows", {})  # the first BF16 run
     lines = ["| row | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
     for row in ROWS:
         cells = []
