@@ -14,8 +14,8 @@ reports each w4 variant's forward as a ratio of BF16's (BF16 ms / w4 ms: 1.0 is 
 comes out of the graph pool at the same budget, so a deeper ring may capture fewer buckets: each
 variant's plan and tower graphs are in its JSON.
 
-The scheduling variants (each ahead 1): `--priority` captures the unpacks on a stream of the device's
-greatest priority, `--main-priority` captures the towers' own kernels (the graph capture stream) at
+The scheduling variants: `--priority` captures the unpacks on a stream of the device's greatest
+priority (at each --ahead), `--main-priority` (ahead 1) captures the towers' own kernels (the graph capture stream) at
 that priority instead, so the unpacks yield to them; torch instantiates graphs with
 cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was captured
 on. `--block-words` runs the unpack kernel with that many int32 words a program (unpack_triton
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ahead", default="1,2,3", help="unpack_ahead values to run [1,2,3]")
     ap.add_argument(
-        "--priority", action="store_true", help="also run ahead 1 with a high-priority unpack stream"
+        "--priority", action="store_true", help="also run each --ahead with a high-priority unpack stream"
     )
     ap.add_argument(
         "--main-priority", action="store_true", help="also run ahead 1 with high-priority tower kernels"
@@ -206,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             f"w4 ahead {a}": {"model_dir": w4, "ahead": int(a)} for a in args.ahead.split(",")
         }
         if args.priority:
-            one["w4 unpack-priority"] = {"model_dir": w4, "priority": "unpack"}
+            for a in args.ahead.split(","):
+                one[f"w4 unpack-priority ahead {a}"] = {
+                    "model_dir": w4,
+                    "ahead": int(a),
+                    "priority": "unpack",
+                }
         if args.main_priority:
             one["w4 main-priority"] = {"model_dir": w4, "priority": "capture"}
         for words in filter(None, args.block_words.split(",")):
