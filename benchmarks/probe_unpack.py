@@ -14,11 +14,12 @@ reports each w4 variant's forward as a ratio of BF16's (BF16 ms / w4 ms: 1.0 is 
 comes out of the graph pool at the same budget, so a deeper ring may capture fewer buckets: each
 variant's plan and tower graphs are in its JSON.
 
-The scheduling variants: `--priority` captures the unpacks on a stream of the device's greatest
-priority (at each --ahead), `--main-priority` (ahead 1) captures the towers' own kernels (the graph capture stream) at
-that priority instead, so the unpacks yield to them; torch instantiates graphs with
-cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was captured
-on. `--block-words` runs the unpack kernel with that many int32 words a program (unpack_triton
+The scheduling variants: the Unpacker's stream is at the device's greatest priority
+(EngineOptions.unpack_high_priority); `--priority` also runs each --ahead with it at the least, the
+default streams' priority. `--main-priority` (ahead 1) captures the graphs on a stream of the
+greatest priority instead, so the unpacks yield to the towers' own kernels. torch instantiates graphs
+with cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was
+captured on. `--block-words` runs the unpack kernel with that many int32 words a program (unpack_triton
 .BLOCK_WORDS; more words, fewer and longer programs). `--repeat` runs the whole list that many times,
 alternated, BF16 included. `--trace` profiles five forwards of image/b8, video/b1 and audio_short/b1
 per variant and sums the kernels per stream (stream_summary): whether the packed forward loses its
@@ -53,13 +54,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.workloads import Factory, matrix
     from eg2_runtime.engine import Engine, EngineOptions
 
-    if spec.get("priority"):
-        _high_priority_stream(spec["priority"])
+    if spec.get("main_priority"):
+        _high_priority_capture()
     if spec.get("block_words"):
         from eg2_runtime import unpack_triton
 
         unpack_triton.BLOCK_WORDS = spec["block_words"]  # read by dequantize_into at each launch
-    options = EngineOptions(gpu_memory_budget=spec["budget"], unpack_ahead=spec["ahead"])
+    options = EngineOptions(
+        gpu_memory_budget=spec["budget"],
+        unpack_ahead=spec["ahead"],
+        unpack_high_priority=spec.get("unpack_high_priority", True),
+    )
     engine = Engine.from_dir(spec["model_dir"], device=spec["device"], options=options)
     graphs = 0
     if engine.device.type == "cuda":  # as the bench boots it; a CPU dry run has nothing to warm
@@ -143,36 +148,15 @@ def stream_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[
     return out
 
 
-def _high_priority_stream(purpose: str) -> None:
-    """Make the side stream for `purpose` ("unpack", or "capture": the stream the tower graphs are
-    captured on) with the device's greatest stream priority; the other keeps the least."""
-    import ctypes
+def _high_priority_capture() -> None:
+    """Capture the graphs on a stream of the device's greatest priority: the towers' own kernels then
+    rank above the Unpacker's, whatever its stream's priority."""
+    from eg2_runtime import graphs, streams
 
-    import torch
+    def side_stream(device: object, purpose: str, high_priority: bool = False) -> object:
+        return streams.side_stream(device, purpose, high_priority or purpose == "capture")  # type: ignore[arg-type]
 
-    from eg2_runtime import graphs, quant, streams
-    from eg2_runtime.gpu_memory import cudart
-
-    plain = streams.side_stream
-
-    def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
-        if purpose != wanted:
-            return plain(device, purpose)
-        runtime = cudart()
-        assert runtime is not None
-        least, greatest, raw = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
-        with torch.cuda.device(device):
-            torch.cuda.init()
-            runtime.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))
-            err = runtime.cudaStreamCreateWithPriority(ctypes.byref(raw), 0x01, greatest)
-        assert not err, f"CUDA error {err}"
-        print(f"{purpose} stream priority {greatest.value} (least {least.value})", flush=True)
-        return torch.cuda.ExternalStream(raw.value, device=device)
-
-    wanted = purpose
-    # The names quant.py and graphs.py imported: the Unpacker and the captures call them.
-    vars(quant)["side_stream"] = side_stream
-    vars(graphs)["side_stream"] = side_stream
+    vars(graphs)["side_stream"] = side_stream  # the name graphs.py imported: its captures call it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ahead", default="1,2,3", help="unpack_ahead values to run [1,2,3]")
     ap.add_argument(
-        "--priority", action="store_true", help="also run each --ahead with a high-priority unpack stream"
+        "--priority", action="store_true", help="also run each --ahead with a least-priority unpack stream"
     )
     ap.add_argument(
-        "--main-priority", action="store_true", help="also run ahead 1 with high-priority tower kernels"
+        "--main-priority",
+        action="store_true",
+        help="also run ahead 1 with the tower kernels above the unpacks",
     )
     ap.add_argument("--block-words", default="", help="also run ahead 1 with these kernel block sizes")
     ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times [1]")
@@ -207,13 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.priority:
             for a in args.ahead.split(","):
-                one[f"w4 unpack-priority ahead {a}"] = {
+                one[f"w4 ahead {a} least-priority"] = {
                     "model_dir": w4,
                     "ahead": int(a),
-                    "priority": "unpack",
+                    "unpack_high_priority": False,
                 }
         if args.main_priority:
-            one["w4 main-priority"] = {"model_dir": w4, "priority": "capture"}
+            one["w4 main-priority"] = {"model_dir": w4, "unpack_high_priority": False, "main_priority": True}
         for words in filter(None, args.block_words.split(",")):
             one[f"w4 block {words}"] = {"model_dir": w4, "block_words": int(words)}
         budget = matched_budget(bf16, w4) if args.device == "cuda" else None
