@@ -14,23 +14,21 @@ reports each w4 variant's forward as a ratio of BF16's (BF16 ms / w4 ms: 1.0 is 
 comes out of the graph pool at the same budget, so a deeper ring may capture fewer buckets: each
 variant's plan and tower graphs are in its JSON.
 
-The scheduling variants: the Unpacker's stream is at the device's greatest priority
-(EngineOptions.unpack_high_priority); `--priority` also runs each --ahead with it at the least, the
-default streams' priority. `--main-priority` (ahead 1) captures the graphs on a stream of the
-greatest priority instead, so the unpacks yield to the towers' own kernels. torch instantiates graphs
-with cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was
-captured on. `--block-words` runs the unpack kernel with that many int32 words a program (unpack_triton
+The scheduling variants: `--priority` captures the unpacks on a stream of the device's greatest
+priority (at each --ahead), `--main-priority` (ahead 1) captures the towers' own kernels (the graph capture stream) at
+that priority instead, so the unpacks yield to them; torch instantiates graphs with
+cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was captured
+on. `--block-words` runs the unpack kernel with that many int32 words a program (unpack_triton
 .BLOCK_WORDS; more words, fewer and longer programs). `--repeat` runs the whole list that many times,
 alternated, BF16 included. `--trace` profiles five forwards of image/b8, video/b1 and audio_short/b1
-per variant and sums the kernels per stream (stream_summary): whether the packed forward loses its
-time to slower matmuls beside the unpacks or to the main stream waiting on them.
+per variant and sums their kernels' device time by kind (kernel_summary): whether a packed forward
+loses its time to slower matmuls beside the unpacks or to the unpacks themselves.
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import subprocess
 import sys
@@ -54,17 +52,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.workloads import Factory, matrix
     from eg2_runtime.engine import Engine, EngineOptions
 
-    if spec.get("main_priority"):
-        _high_priority_capture()
+    if spec.get("priority"):
+        _high_priority_stream(spec["priority"])
     if spec.get("block_words"):
         from eg2_runtime import unpack_triton
 
         unpack_triton.BLOCK_WORDS = spec["block_words"]  # read by dequantize_into at each launch
-    options = EngineOptions(
-        gpu_memory_budget=spec["budget"],
-        unpack_ahead=spec["ahead"],
-        unpack_high_priority=spec.get("unpack_high_priority", True),
-    )
+    options = EngineOptions(gpu_memory_budget=spec["budget"], unpack_ahead=spec["ahead"])
     engine = Engine.from_dir(spec["model_dir"], device=spec["device"], options=options)
     graphs = 0
     if engine.device.type == "cuda":  # as the bench boots it; a CPU dry run has nothing to warm
@@ -81,7 +75,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         extras = runner.extras(w, budget, flops=False)
         rows[w.key] = {"embed_ms": extras["embed"]["p50_ms"], "forward_ms": extras["forward"]["p50_ms"]}
         if spec.get("trace") and w.key in TRACED and engine.device.type == "cuda":
-            rows[w.key]["streams"] = stream_summary(engine, runner.forwards(runner.prepare(w.calls[0]))[0])
+            rows[w.key]["kernels"] = kernel_summary(engine, runner.forwards(runner.prepare(w.calls[0]))[0])
     towers = engine.towers
     return {
         "plan": engine.plan.describe() if engine.plan is not None else None,
@@ -95,14 +89,13 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 TRACED = ("image/b8", "video/b1", "audio_short/b1")
-GAP_US = 200.0  # a main-stream gap longer than this lies between forwards (the host), not in one
 
 
-def stream_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[str, Any]:
-    """Five forwards of one batch under torch.profiler, the kernels summed per stream (us per
-    forward): on the stream with the most kernel time (the towers' own), the time by kind (GEMMs,
-    attention, the rest), its busy time and the gaps between its kernels within a forward (the main
-    stream waiting, for a dependency or the host); on the others (the unpacks), their kernel time."""
+def kernel_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[str, Any]:
+    """Five forwards of one batch under torch.profiler: their kernels' device time by kind (us per
+    forward, summed over every stream). A graph replay runs its branches on streams of the graph's
+    own, so which stream a kernel ran on says nothing of the capture's main or side stream: the
+    kinds compare instead. Kernels of two streams overlap, so the sum can pass the forward's time."""
     import torch
     from torch.profiler import DeviceType, ProfilerActivity, profile
 
@@ -115,48 +108,65 @@ def stream_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[
                 engine.forward(ids, on_device)
             torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    by_stream: dict[int, list[Any]] = {}
-    for e in kernels:
-        by_stream.setdefault(e.device_resource_id, []).append(e)
-    main = max(by_stream, key=lambda s: sum(e.time_range.elapsed_us() for e in by_stream[s]))
 
     def kind(name: str) -> str:
         n = name.lower()
-        if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_")):
-            return "gemm"
-        if any(k in n for k in ("fmha", "flash", "attention", "efficient")):
-            return "attention"
-        return "dequant" if "dequant" in n else "other"
+        for k, marks in KINDS:
+            if any(m in n for m in marks):
+                return k
+        return "other"
 
-    out: dict[str, Any] = {"forwards": forwards, "streams": {}}
-    for stream, events in by_stream.items():
-        events.sort(key=lambda e: e.time_range.start)
-        kinds: dict[str, float] = {}
-        for e in events:
-            k = kind(e.name)
-            kinds[k] = kinds.get(k, 0.0) + e.time_range.elapsed_us() / forwards
-        row: dict[str, Any] = {
-            "kernels": len(events) / forwards,
-            "us": {k: round(v, 1) for k, v in kinds.items()},
-        }
-        if stream == main:
-            gaps = [b.time_range.start - a.time_range.end for a, b in itertools.pairwise(events)]
-            inner = [g for g in gaps if 0 < g < GAP_US]
-            row["gap_us"] = round(sum(inner) / forwards, 1)
-            row["gaps_over_5us"] = sum(g > 5 for g in inner) / forwards
-        out["streams"]["main" if stream == main else f"side {stream}"] = row
-    return out
+    us: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in kernels:
+        k = kind(e.name)
+        us[k] = us.get(k, 0.0) + e.time_range.elapsed_us() / forwards
+        count[k] = count.get(k, 0) + 1
+    return {
+        "us": {k: round(v, 1) for k, v in sorted(us.items())},
+        "kernels": {k: v / forwards for k, v in sorted(count.items())},
+        "streams": len({e.device_resource_id for e in kernels}),
+    }
 
 
-def _high_priority_capture() -> None:
-    """Capture the graphs on a stream of the device's greatest priority: the towers' own kernels then
-    rank above the Unpacker's, whatever its stream's priority."""
-    from eg2_runtime import graphs, streams
+# Kernel kinds by name, first match wins (cuDNN's SDPA kernels carry "sm90" too).
+KINDS = (
+    ("dequant", ("dequant",)),
+    ("attention", ("sdpa", "fmha", "flash", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma")),
+)
 
-    def side_stream(device: object, purpose: str, high_priority: bool = False) -> object:
-        return streams.side_stream(device, purpose, high_priority or purpose == "capture")  # type: ignore[arg-type]
 
-    vars(graphs)["side_stream"] = side_stream  # the name graphs.py imported: its captures call it
+def _high_priority_stream(purpose: str) -> None:
+    """Make the side stream for `purpose` ("unpack", or "capture": the stream the tower graphs are
+    captured on) with the device's greatest stream priority; the other keeps the least."""
+    import ctypes
+
+    import torch
+
+    from eg2_runtime import graphs, quant, streams
+    from eg2_runtime.gpu_memory import cudart
+
+    plain = streams.side_stream
+
+    def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+        if purpose != wanted:
+            return plain(device, purpose)
+        runtime = cudart()
+        assert runtime is not None
+        least, greatest, raw = ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            runtime.cudaDeviceGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest))
+            err = runtime.cudaStreamCreateWithPriority(ctypes.byref(raw), 0x01, greatest)
+        assert not err, f"CUDA error {err}"
+        print(f"{purpose} stream priority {greatest.value} (least {least.value})", flush=True)
+        return torch.cuda.ExternalStream(raw.value, device=device)
+
+    wanted = purpose
+    # The names quant.py and graphs.py imported: the Unpacker and the captures call them.
+    vars(quant)["side_stream"] = side_stream
+    vars(graphs)["side_stream"] = side_stream
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,16 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ahead", default="1,2,3", help="unpack_ahead values to run [1,2,3]")
     ap.add_argument(
-        "--priority", action="store_true", help="also run each --ahead with a least-priority unpack stream"
+        "--priority", action="store_true", help="also run each --ahead with a high-priority unpack stream"
     )
     ap.add_argument(
-        "--main-priority",
-        action="store_true",
-        help="also run ahead 1 with the tower kernels above the unpacks",
+        "--main-priority", action="store_true", help="also run ahead 1 with high-priority tower kernels"
     )
     ap.add_argument("--block-words", default="", help="also run ahead 1 with these kernel block sizes")
     ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times [1]")
-    ap.add_argument("--trace", action="store_true", help="sum each traced row's kernels per stream")
+    ap.add_argument("--trace", action="store_true", help="sum each traced row's kernels by kind")
     ap.add_argument("--seconds", type=float, default=1.0, help="time box of each cell's timed rounds [1]")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--device", default="cuda")
@@ -193,13 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.priority:
             for a in args.ahead.split(","):
-                one[f"w4 ahead {a} least-priority"] = {
+                one[f"w4 unpack-priority ahead {a}"] = {
                     "model_dir": w4,
                     "ahead": int(a),
-                    "unpack_high_priority": False,
+                    "priority": "unpack",
                 }
         if args.main_priority:
-            one["w4 main-priority"] = {"model_dir": w4, "unpack_high_priority": False, "main_priority": True}
+            one["w4 main-priority"] = {"model_dir": w4, "priority": "capture"}
         for words in filter(None, args.block_words.split(",")):
             one[f"w4 block {words}"] = {"model_dir": w4, "block_words": int(words)}
         budget = matched_budget(bf16, w4) if args.device == "cuda" else None

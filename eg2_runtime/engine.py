@@ -157,9 +157,6 @@ class EngineOptions:
     # H200 two measured within one's run-to-run spread and three cost the pool its 30 s clip and
     # video graphs (docs/PERF.md, benchmarks/probe_unpack.py).
     unpack_ahead: int = 1
-    # The Unpacker's side stream at the device's greatest priority (quant.Unpacker): its unpacks'
-    # blocks go to the SMs before the waiting blocks of the matmuls they run beside.
-    unpack_high_priority: bool = True
     # The text encoder's memory-lean path (TextEncoder.forward `lean`): sliding-window layers of long
     # texts attend block by block (memory and work grow with T x 3 x window, not T^2) and each
     # layer's PLE slice is computed when it runs (24x fewer PLE bytes alive). The same result to
@@ -411,7 +408,6 @@ class Engine:
             pack=pack,
             group_size=group_size,
             unpack_ahead=opts.unpack_ahead,
-            unpack_high_priority=opts.unpack_high_priority,
             table_on_host=host_table,
         )
         media = sorted(model.modalities - {"text"})

@@ -126,7 +126,6 @@ def load_model(
     group_size: int = 128,
     unpack_hooks: bool = True,
     unpack_ahead: int = 1,
-    unpack_high_priority: bool = True,
     table_on_host: bool = False,
 ) -> tuple[EG2Model, LoadReport]:
     """Build, load and prepare a model for inference. Returns it in eval mode with its report.
@@ -134,8 +133,7 @@ def load_model(
     `modalities`: the towers to load; None loads every tower the checkpoint has.
     `pack`: quantize a BF16 checkpoint's tower Linears at load time (already-packed layers stay).
     `unpack_hooks`: attach the side-stream Unpacker; without it packed layers dequantize on the fly.
-    `unpack_ahead`: the layers it unpacks ahead of the running one (quant.Unpacker);
-    `unpack_high_priority`: its side stream at the device's greatest priority.
+    `unpack_ahead`: the layers it unpacks ahead of the running one (quant.Unpacker).
     `table_on_host`: on CUDA, the token table loads into host memory and stays there until the
     caller places it (TextEncoder.keep_table_on_host, keep_table_on_device). The engine places it
     only once it has measured the base; loaded to the GPU first, the table's 256 MiB would join the
@@ -242,7 +240,7 @@ def load_model(
     if table.device.type != dev.type:
         report.host_bytes, report.resident_bytes = table.nbytes, report.resident_bytes - table.nbytes
     if unpack_hooks:
-        model.unpacker = Unpacker.attach(model, cdtype, unpack_ahead, unpack_high_priority)
+        model.unpacker = Unpacker.attach(model, cdtype, unpack_ahead)
     log.info("loaded %s: %s", model_dir.name, report.summary())
     return model, report
 

@@ -177,9 +177,7 @@ class Unpacker:
     On CPU the unpack is synchronous and there is no scratch: the weight lives for one forward.
     """
 
-    def __init__(
-        self, layers: list[PackedLinear], dtype: torch.dtype, ahead: int = 1, high_priority: bool = True
-    ) -> None:
+    def __init__(self, layers: list[PackedLinear], dtype: torch.dtype, ahead: int = 1) -> None:
         if ahead < 1:
             raise ValueError(f"ahead must be at least 1, not {ahead}")
         self.dtype = dtype
@@ -196,10 +194,7 @@ class Unpacker:
             numel = max(m.in_features * m.out_features for m in layers)
             self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(ahead + 1)]
             self.scratch_bytes = len(self.scratch) * numel * self.scratch[0].element_size()
-            # Not from torch's pools (streams.py). At the device's greatest priority (`high_priority`):
-            # an unpack's blocks are dispatched before the waiting blocks of the main stream's kernel
-            # it runs beside, so it is ready before the matmul that needs it (docs/PERF.md).
-            self.stream = side_stream(device, "unpack", high_priority)
+            self.stream = side_stream(device, "unpack")  # not from torch's pools: see streams.py
             self.main: torch.cuda.Stream | None = None  # the stream the towers run on
             self.ready = [torch.cuda.Event() for _ in self.scratch]  # scratch[slot] holds its layer
             self.started = torch.cuda.Event()  # the main stream reached the layer that started last
@@ -211,12 +206,10 @@ class Unpacker:
             self.fast = _triton_dequantize_into() if dtype == torch.bfloat16 else None
 
     @classmethod
-    def attach(
-        cls, model: nn.Module, dtype: torch.dtype, ahead: int = 1, high_priority: bool = True
-    ) -> Unpacker | None:
+    def attach(cls, model: nn.Module, dtype: torch.dtype, ahead: int = 1) -> Unpacker | None:
         """An Unpacker for every PackedLinear of `model`, or None if it has none."""
         layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        return cls(layers, dtype, ahead, high_priority) if layers else None
+        return cls(layers, dtype, ahead) if layers else None
 
     def _hook(self, m: PackedLinear) -> tuple[object, object]:
         return m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)

@@ -148,15 +148,10 @@ after_ours = now()
 pooled = torch.cuda.Stream()
 with torch.cuda.stream(pooled):
     (a + 3).sum().item()
-pool_mib = now() - after_ours
-high = side_stream(torch.device("cuda"), "test", high_priority=True)
 print(json.dumps({
     "external": isinstance(ours, torch.cuda.ExternalStream),
     "side_stream_mib": after_ours - before,
-    "torch_pool_stream_mib": pool_mib,
-    # torch clamps a priority to the device's range: these are its two ends.
-    "priorities": [ours.priority, high.priority],
-    "range": [torch.cuda.Stream(priority=0).priority, torch.cuda.Stream(priority=-1024).priority],
+    "torch_pool_stream_mib": now() - after_ours,
 }))
 """
 
@@ -164,8 +159,7 @@ print(json.dumps({
 def test_side_streams_are_the_runtimes_not_torchs_pools(results: Path | None) -> None:
     """The engine's side streams (streams.side_stream) are made by the CUDA runtime, and cost the
     process less GPU memory than the first stream from torch's pools, which creates every stream of
-    them. A fresh process, so nothing before it made the pools. A side stream is at the device's
-    least priority, or its greatest when asked (the Unpacker's)."""
+    them. A fresh process, so nothing before it made the pools."""
     import json
     import subprocess
     import sys
@@ -178,4 +172,3 @@ def test_side_streams_are_the_runtimes_not_torchs_pools(results: Path | None) ->
     record(results, "gpu_side_streams", figures)
     assert figures["external"]
     assert figures["side_stream_mib"] < figures["torch_pool_stream_mib"] / 2, figures
-    assert figures["priorities"] == figures["range"] and figures["range"][0] != figures["range"][1], figures
