@@ -15,14 +15,14 @@ comes out of the graph pool at the same budget, so a deeper ring may capture few
 variant's plan and tower graphs are in its JSON.
 
 The scheduling variants: `--priority` captures the unpacks on a stream of the device's greatest
-priority (at each --ahead), `--main-priority` (ahead 1) captures the towers' own kernels (the graph capture stream) at
-that priority instead, so the unpacks yield to them; torch instantiates graphs with
-cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was captured
-on. `--block-words` runs the unpack kernel with that many int32 words a program (unpack_triton
-.BLOCK_WORDS; more words, fewer and longer programs). `--repeat` runs the whole list that many times,
-alternated, BF16 included. `--trace` profiles five forwards of image/b8, video/b1 and audio_short/b1
-per variant and sums their kernels' device time by kind (kernel_summary): whether a packed forward
-loses its time to slower matmuls beside the unpacks or to the unpacks themselves.
+priority (at each --ahead); `--main-priority` (ahead 1) captures the towers' own kernels (the graph
+capture stream) at that priority instead, so the unpacks yield to them. torch instantiates graphs
+with cudaGraphInstantiateFlagUseNodePriority, so a node keeps the priority of the stream it was
+captured on. `--block-words` runs the unpack kernel with that many int32 words a program
+(unpack_triton.BLOCK_WORDS; more words, fewer and longer programs). `--repeat` runs the whole list
+that many times, alternated, BF16 included. `--trace` profiles five forwards of image/b8, video/b1
+and audio_short/b1 per variant and sums their kernels' device time by kind (kernel_summary): whether
+a packed forward loses its time to slower matmuls beside the unpacks or to the unpacks themselves.
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 
