@@ -162,8 +162,8 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="How much longer than max_queue_delay_ms a batch waits for the media of its oldest "
         "item's own request still in preprocessing, so that a call's images or clips run as one GPU "
-        "batch rather than as the waves they finish decoding in (docs/PERF.md measures the first version "
-        "of this rule); a request that needs several batches gathers an even share for each. It counts "
+        "batch rather than as the waves they finish decoding in (docs/PERF.md measures it, on and off); "
+        "a request that needs several batches gathers an even share for each. It counts "
         "from each batch's oldest item, and ends when the queue holds the batch's share (other "
         "requests' items queued count toward it), when the batch fills, or at this limit. Items still "
         "decoding are sized by their header estimates (an item's text at one token per character). "

@@ -88,7 +88,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-TRACED = ("image/b8", "video/b1", "audio_short/b1")
+TRACED = ("image/b8", "video/b1", "audio_short/b1")  # the rows --trace profiles
+
+# Kernel kinds by name, first match wins (cuDNN's SDPA kernels carry "sm90" too).
+KINDS = (
+    ("dequant", ("dequant",)),
+    ("attention", ("sdpa", "fmha", "flash", "attention")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma")),
+)
 
 
 def kernel_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[str, Any]:
@@ -129,14 +136,6 @@ def kernel_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[
     }
 
 
-# Kernel kinds by name, first match wins (cuDNN's SDPA kernels carry "sm90" too).
-KINDS = (
-    ("dequant", ("dequant",)),
-    ("attention", ("sdpa", "fmha", "flash", "attention")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma")),
-)
-
-
 def _high_priority_stream(purpose: str) -> None:
     """Make the side stream for `purpose` ("unpack", or "capture": the stream the tower graphs are
     captured on) with the device's greatest stream priority; the other keeps the least."""
@@ -147,7 +146,7 @@ def _high_priority_stream(purpose: str) -> None:
     from eg2_runtime import graphs, quant, streams
     from eg2_runtime.gpu_memory import cudart
 
-    plain = streams.side_stream
+    plain, wanted = streams.side_stream, purpose
 
     def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
         if purpose != wanted:
@@ -163,7 +162,6 @@ def _high_priority_stream(purpose: str) -> None:
         print(f"{purpose} stream priority {greatest.value} (least {least.value})", flush=True)
         return torch.cuda.ExternalStream(raw.value, device=device)
 
-    wanted = purpose
     # The names quant.py and graphs.py imported: the Unpacker and the captures call them.
     vars(quant)["side_stream"] = side_stream
     vars(graphs)["side_stream"] = side_stream

@@ -26,10 +26,10 @@ from tests.support.fake_engine import (
     FORWARD_BUG,
     PREPARE_BUG,
     FakeEngine,
-    _blob,
     assert_error,
     live,
     make_settings,
+    media_bytes,
 )
 
 T = TypeVar("T")
@@ -176,7 +176,7 @@ class SlowMedia(FakeEngine):
     def prepare_many(self, items: Any, options: PrepareOptions, cancel: Any = None) -> Any:
         for item in items:
             if item.modality != "text":
-                time.sleep(float(_blob(item)))
+                time.sleep(float(media_bytes(item)))
         return super().prepare_many(items, options, cancel)
 
 

@@ -62,7 +62,8 @@ def _text_of(item: Item) -> str:
     return " ".join(p.text for p in item.parts if isinstance(p, TextPart))
 
 
-def _blob(item: Item) -> bytes:
+def media_bytes(item: Item) -> bytes:
+    """An item's media bytes, end to end: what the fakes read their instructions from."""
     return b"".join(p.data for p in item.parts if isinstance(p, MediaPart))
 
 
@@ -164,7 +165,7 @@ class FakeEngine:
     def _prepare(self, item: Item, options: PrepareOptions) -> PreparedItem:
         with self._lock:
             self.prepare_calls += 1
-        text, blob = _text_of(item), _blob(item)
+        text, blob = _text_of(item), media_bytes(item)
         for part in item.parts:
             if isinstance(part, MediaPart) and part.kind not in self.modalities:
                 raise ModalityNotLoadedError(f"{part.kind} tower not loaded")
