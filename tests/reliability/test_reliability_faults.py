@@ -41,7 +41,7 @@ from eg2_runtime import samples
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from tests.support.fake_engine import TORCH_BUSY, FakeEngine, LiveServer, assert_error, live, make_settings
-from tests.support.load import Request, Serve, free_port, run, text_requests
+from tests.support.load import Request, Serve, run, text_requests, wait_listening
 from tests.support.serve_forks import Forks
 
 START_TIMEOUT_S = 90  # importing torch on a busy 2-core machine, plus the loader
@@ -449,11 +449,11 @@ def _sigterm_at_the_deadline(
 ) -> dict[str, Any]:
     """One server with a 0.2 s drain deadline: `long` in the forward pass, three short texts queued
     behind it, then SIGTERM. What came of it: exit code, seconds from signal to exit, answers, log."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {"EG2_HOST": "127.0.0.1", "EG2_PORT": str(port), "EG2_DRAIN_DEADLINE_S": "0.2", **env}
+    env = {"EG2_HOST": "127.0.0.1", "EG2_PORT": "0", "EG2_DRAIN_DEADLINE_S": "0.2", **env}
     started = time.monotonic()
     pid = forks.start(argv, log, entry=entry, env=env)
+    port = wait_listening(pid, lambda: forks.poll(pid) is None, log.read_text, START_TIMEOUT_S)
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         assert forks.poll(pid) is None, log.read_text()[-2000:]

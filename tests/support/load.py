@@ -9,7 +9,7 @@ per request and a deadline for the run) and in place: it refuses any host but lo
 Outcomes are counted by HTTP status; a request that got no answer (client timeout, reset, refused) is
 counted by exception name in `errors`, which is how a hung connection shows.
 
-`Serve` starts the installed console script on 127.0.0.1 and a free port, collects its stderr (the JSON
+`Serve` starts the installed console script on 127.0.0.1 and a port it binds itself (port 0), collects its stderr (the JSON
 logs), and reads its RSS and open descriptors from /proc, so a test sees the server as an operator does.
 
 As a script, against a running server (text only, OpenAI-style bodies):
@@ -206,9 +206,50 @@ def _count_rows(i: int, request: Request, response: httpx.Response) -> str | Non
 
 
 def free_port() -> int:
+    """A port free at the moment, for a server that must be told its port in advance (Ray Serve's
+    proxy). Another process can take it before that server binds it; `Serve` avoids the race by
+    starting its server on port 0 and reading the bound port back with `listening_port`."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def listening_port(pid: int) -> int | None:
+    """The TCP port process `pid` listens on, or None while it listens on none.
+
+    A server started with port 0 binds a free port itself, so no other process can take it between
+    the choice and the bind, as one can take a port chosen in advance and closed again (an outgoing
+    connection's ephemeral port, or another server's). Read from /proc: the process's socket inodes,
+    matched against the LISTEN rows (state 0A) of its network namespace's TCP tables.
+    """
+    inodes: set[str] = set()
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed since the listing
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = row.split()  # sl local rem st queues timer retransmits uid timeout inode ...
+                if fields[3] == "0A" and fields[9] in inodes:
+                    return int(fields[1].rsplit(":", 1)[1], 16)
+    return None
+
+
+def wait_listening(
+    pid: int, alive: Callable[[], bool], log: Callable[[], str], timeout_s: float = 120.0
+) -> int:
+    """The port `pid` listens on, waiting for the bind (a cold start imports torch first)."""
+    deadline = time.monotonic() + timeout_s
+    while (port := listening_port(pid)) is None:
+        if not alive():
+            raise RuntimeError(f"the server exited before it listened:\n{log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not listen within {timeout_s:g} s:\n{log()[-3000:]}")
+        time.sleep(0.05)
+    return port
 
 
 class Serve:
@@ -219,11 +260,10 @@ class Serve:
     """
 
     def __init__(self, args: Sequence[str], env: dict[str, str] | None = None, *, prefix: Sequence[str] = ()):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._port: int | None = None
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("EG2_")}
         full_env.update({"HF_HUB_OFFLINE": "1", **(env or {})})
-        command = [*prefix, str(EG2), "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        command = [*prefix, str(EG2), "serve", "--host", "127.0.0.1", "--port", "0", *args]
         self.proc = subprocess.Popen(
             command, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
@@ -239,6 +279,17 @@ class Serve:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    @property
+    def port(self) -> int:
+        """The port the server bound (it is started with port 0); waits for the bind."""
+        if self._port is None:
+            self._port = wait_listening(self.proc.pid, lambda: self.proc.poll() is None, lambda: self.log)
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = 60.0) -> Serve:
         deadline = time.monotonic() + timeout_s
