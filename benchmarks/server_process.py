@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,13 +23,38 @@ from typing import IO
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# free_port draws from here up to the ephemeral range: below it lie most services' customary ports
+# (5432, 6379, 8000, 8080, ...).
+PORTS_FROM = 10_000
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it; a small race with other processes remains)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, for a server that must be told its port before it binds.
+
+    Drawn below the kernel's ephemeral range (net.ipv4.ip_local_port_range), from which every outgoing
+    connection and every port-0 bind takes its port: a port the OS picked from that range can go to any
+    client socket in the seconds before the server binds it (it did, in CI: EADDRINUSE). Below it,
+    only another explicit bind can take it. A server that can bind port 0 itself and report the port
+    avoids even that (tests/support/load.py's `Serve`).
+    """
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: draw again
+            return int(s.getsockname()[1])
+    raise OSError("no free port below the ephemeral range in 100 draws")
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The first port of the kernel's ephemeral range (Linux's default is 32768)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def serve_command(*flags: str) -> list[str]:

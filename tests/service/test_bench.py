@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 from PIL import Image
 
 from app.schemas import parse_request
-from benchmarks import report
+from benchmarks import report, server_process
 from benchmarks.http_load import client_processes, request
 from benchmarks.process_memory import PeakSampler
 from benchmarks.targets import TARGETS, Target
@@ -628,3 +629,14 @@ def test_scale_measures_a_real_server(tiny_bf16: Path, tmp_path: Path) -> None:
         row = serve[load]
         assert row["items_per_request"] == items and not row["failures"] and row["requests"] > 0, row
         assert row["items_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0, row
+
+
+def test_free_port_is_drawn_below_the_ephemeral_range() -> None:
+    """Outgoing connections and port-0 binds take their ports from the ephemeral range, so a port told
+    to a server in advance is drawn below it, where none of them can take it before the server binds."""
+    low = server_process._ephemeral_low()
+    ports = {server_process.free_port() for _ in range(20)}
+    assert all(server_process.PORTS_FROM <= port < low for port in ports), (sorted(ports), low)
+    assert len(ports) > 1  # drawn, not one fixed port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # and free

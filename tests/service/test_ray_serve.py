@@ -32,8 +32,8 @@ from app.ray_serve import (
     replica_settings,
 )
 from app.settings import Settings
+from benchmarks.server_process import free_port
 from tests.support.fake_engine import FakeEngine
-from tests.support.load import free_port
 from tests.support.ray_cluster import kill_one_under_load, replicas_seen, vectors_by_replica
 
 pytestmark = [

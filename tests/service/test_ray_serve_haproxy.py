@@ -19,8 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from benchmarks.server_process import running
-from tests.support.load import free_port
+from benchmarks.server_process import free_port, running
 from tests.support.ray_cluster import kill_one_under_load, replicas_seen, vectors_by_replica
 
 pytestmark = pytest.mark.slow

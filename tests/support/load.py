@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import ssl
 import subprocess
 import sys
@@ -203,15 +202,6 @@ def _count_rows(i: int, request: Request, response: httpx.Response) -> str | Non
 
 
 # --- the server under load: the real `eg2 serve` in a subprocess ----------------------------------
-
-
-def free_port() -> int:
-    """A port free at the moment, for a server that must be told its port in advance (Ray Serve's
-    proxy). Another process can take it before that server binds it; `Serve` avoids the race by
-    starting its server on port 0 and reading the bound port back with `listening_port`."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def listening_port(pid: int) -> int | None:
