@@ -3,23 +3,23 @@ and what two changes not yet made would buy there.
 
     python -m benchmarks.probe_prepare_paths [--processes 8] [--rounds 15] [--out FILE]
 
-On the H200 host the server's workers took 21.6 ms for the bench's 8-frame video and 5.0 ms for its
-PNG (eg2_preprocess_seconds, docs/PERF.md), against 9.4 and 2.5 ms on the dev machine: this probe
-splits those on the host itself. Three parts, from the tiny demo checkpoint (its preprocessing is the
-full model's):
+The server's workers report their own time per item (eg2_preprocess_seconds), and the H200 host's
+came out about twice the dev machine's (docs/PERF.md): this probe splits a call's preparing on the
+host itself. Three parts, from the tiny demo checkpoint (its preprocessing is the full model's):
 
 1. `one`: each named medium (the 641x479 PNG, the 9.3 s WAV clip, the 8-frame 640x480 MP4) through
    the server's PrepareProcesses, one at a time: the round trip (submit to result), the worker's own
    seconds (what the server's histogram gets), and the result's way back, timed apart in this process:
-   writing its bytes to /dev/shm (the worker's side) and reading them back (the server's side).
-2. `images16`: the bench's 16-image call, 16 PNGs submitted at once to --processes workers. The
-   server reads the results one after another on the pool's result thread; the same with the reads
-   on --processes threads of their own (the change in question), rounds alternated.
+   pickling it and writing its bytes to /dev/shm (the worker's side), reading them back (the server's).
+2. `images16`: the bench's 16-image call, 16 copies of the PNG submitted at once to --processes
+   workers. The server reads the results one after another on the pool's result thread; the same
+   with the reads on --processes threads of their own (the change in question), alternated.
 3. `video_loop`: the 8-frame video's decode loop as `preprocess.video.decode_video` runs it (decode,
    rgb24, resize each frame to its patch size) with torch on one thread, as in a worker: FFmpeg's
    decoder threads (1, 2, 4, its default) and threading kind (slice, frame), with each frame's rgb24
-   and resize inline or on a helper thread (the change in question), rounds alternated. Every
-   variant's frames are checked equal to the inline default's.
+   and resize inline or on a helper thread (the change in question), alternated; every variant's
+   frames are checked equal to `decode_video`'s. It runs alone on an idle host, as one video
+   request does; under load the workers share the cores and extra threads buy less.
 """
 
 from __future__ import annotations
@@ -38,14 +38,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.workloads import NAMED_IMAGE_SIZE
 from eg2_runtime import prepare_processes as pp
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, wrap_prepared
 from eg2_runtime.inputs import Item, MediaKind, MediaPart, PrepareOptions
 from eg2_runtime.preprocess.image import target_size
-from eg2_runtime.preprocess.video import VideoConfig, _resized
+from eg2_runtime.preprocess.video import _resized, decode_video
 
 VIDEO = (8, 640, 480)  # frames at 1 fps, width, height: the bench's named video
+WAIT_S = 60.0  # a result later than this is a stuck worker: fail, not hang the host's session
 
 
 def median_ms(values: list[float]) -> float:
@@ -63,7 +65,7 @@ def one_at_a_time(
         for _ in range(rounds + 2):
             start = time.perf_counter()
             job = procs.submit([item], options)
-            job.future.result()
+            job.future.result(timeout=WAIT_S)
             trips.append(time.perf_counter() - start)
             worker.append(job.seconds)
         batch = engine.preprocessor.prepare_batch([item], options, raise_errors=True)
@@ -90,7 +92,7 @@ def one_at_a_time(
 
 def sixteen_images(procs: pp.PrepareProcesses, rounds: int) -> dict[str, Any]:
     """16 PNGs at once: results read on the pool's result thread (as served), or on reader threads."""
-    items = [Item((MediaPart("image", samples.png(641, 479 + i % 2)),)) for i in range(16)]
+    items = [Item((MediaPart("image", samples.png(*NAMED_IMAGE_SIZE)),))] * 16
     served = pp.PrepareProcesses._done
     readers = ThreadPoolExecutor(procs.n, thread_name_prefix="reader")
 
@@ -112,19 +114,20 @@ def sixteen_images(procs: pp.PrepareProcesses, rounds: int) -> dict[str, Any]:
     walls: dict[str, list[float]] = {"served": [], "readers": []}
     try:
         for r in range(rounds + 1):
-            for name, done in (("served", served), ("readers", read_apart)):
+            order = (("served", served), ("readers", read_apart))
+            for name, done in order if r % 2 else reversed(order):
                 pp.PrepareProcesses._done = done  # type: ignore[method-assign]
                 start = time.perf_counter()
                 jobs = [procs.submit([item], PrepareOptions()) for item in items]
-                wait([j.future for j in jobs])
-                assert all(j.future.exception() is None for j in jobs)
+                _, late = wait([j.future for j in jobs], timeout=WAIT_S)
+                assert not late and all(j.future.exception() is None for j in jobs)
                 if r:
                     walls[name].append(time.perf_counter() - start)
     finally:
         pp.PrepareProcesses._done = served  # type: ignore[method-assign]
         readers.shutdown()
     out = {f"{name}_wall_ms": median_ms(v) for name, v in walls.items()}
-    out["ratio"] = round(
+    out["readers_over_served"] = round(
         statistics.median(b / a for a, b in zip(walls["served"], walls["readers"], strict=True)), 3
     )
     print("images16", json.dumps(out), flush=True)
@@ -159,14 +162,15 @@ def decode_loop(
 def video_loop(data: bytes, engine: Engine, rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)  # as in a worker
     frames, width, height = VIDEO
-    size = target_size(height, width, VideoConfig().budget, engine.preprocessor.geometry)
+    pre = engine.preprocessor
+    size = target_size(height, width, pre.video_config.budget, pre.geometry)
     variants: dict[str, Callable[[], np.ndarray]] = {}
     for threads in (1, 2, 4, None):
         for kind in ("SLICE", "FRAME"):
             for helper in (False, True):
                 name = f"{kind.lower()} threads={threads or 'default'}{' helper' if helper else ''}"
                 variants[name] = functools.partial(decode_loop, data, size, threads, kind, helper)
-    reference = variants["slice threads=default"]()
+    reference = decode_video(data, pre.video_config, pre.limits, geometry=pre.geometry).frames
     assert len(reference) == frames
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(rounds + 1):
@@ -198,7 +202,7 @@ def main() -> None:
     model = ensure_demo_model(Path.home() / ".cache/eg2")
     engine = Engine.from_dir(model, device="cpu")
     media: dict[MediaKind, bytes] = {
-        "image": samples.png(641, 479),
+        "image": samples.png(*NAMED_IMAGE_SIZE),
         "audio": samples.wav(9.3),
         "video": samples.mp4(VIDEO[0], 1, *VIDEO[1:]),
     }

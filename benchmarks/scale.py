@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.http_load import Request, client_processes, drive
-from benchmarks.server_process import running
+from benchmarks.server_process import free_port, running
 
 WORDS = [
     "search",
@@ -130,19 +130,19 @@ def main() -> int:
         if "serve" in phases:
             print("serve:", flush=True)
             serve_env = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-            cmd = [*py, "serve", "--model", str(args.model), "--port", "8801"]
-            results["phases"]["serve"] = server_phase(pool, cmd, serve_env, 8801, args.seconds)
+            port = free_port()
+            cmd = [*py, "serve", "--model", str(args.model), "--port", str(port)]
+            results["phases"]["serve"] = server_phase(pool, cmd, serve_env, port, args.seconds)
             save()
         if "ray" in phases:
-            port = 8802  # a port per phase: nothing left of the previous phase can answer
             for ingress in args.ingress.split(","):
                 for n in (int(r) for r in args.replicas.split(",")):
                     name = f"{'ray' if ingress == 'proxy' else ingress}-{n}"
                     print(f"{name}:", flush=True)
+                    port = free_port()  # a port per phase: nothing left of the previous phase can answer
                     cmd = [*py, "serve-ray", "--model", str(args.model), "--port", str(port)]
                     cmd += ["--replicas", str(n), "--ingress", ingress]
                     results["phases"][name] = server_phase(pool, cmd, env, port, args.seconds)
-                    port += 1
                     save()
     results["scaling"] = {}
     for prefix in ("ray", "haproxy"):

@@ -2,7 +2,8 @@
 
 Used by the (d) configurations of `eg2 bench`, by benchmarks/scale.py, by the service-side scripts
 (server_cpu.py, queue_delay.py, gc_pauses.py) and by tests that need a real `eg2 serve` / `eg2
-serve-ray`. The service-side scripts serve tests/support/fake_engine.py's engine (no model time), so what
+serve-ray`; the one place that knows how a server under test gets its port (`free_port`,
+`listening_port`). The service-side scripts serve tests/support/fake_engine.py's engine (no model time), so what
 they measure is the server's own cost.
 """
 
@@ -16,45 +17,82 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-# free_port draws from here up to the ephemeral range: below it lie most services' customary ports
-# (5432, 6379, 8000, 8080, ...).
-PORTS_FROM = 10_000
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a server that must be told its port before it binds.
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on `address` now, for a server that must be told its port before it binds.
 
-    Drawn below the kernel's ephemeral range (net.ipv4.ip_local_port_range), from which every outgoing
-    connection and every port-0 bind takes its port: a port the OS picked from that range can go to any
-    client socket in the seconds before the server binds it (it did, in CI: EADDRINUSE). Below it,
-    only another explicit bind can take it. A server that can bind port 0 itself and report the port
-    avoids even that (tests/support/load.py's `Serve`).
+    Outgoing connections and port-0 binds take their ports from the kernel's ephemeral range
+    (net.ipv4.ip_local_port_range), so any of them could take a port drawn from there before the
+    server binds it. This draws outside that range and outside the ranges Ray binds on its own
+    (workers from 10002, Serve's replicas in HAProxy mode from 30000): from 20000 up to the range or
+    30000, else from above the range, where only another explicit bind can take the port. A server
+    that can bind port 0 and report it needs none of this (`listening_port`).
     """
-    low = _ephemeral_low()
+    low, high = _ephemeral_range()
+    spans = [(20_000, min(low, 30_000)), (max(high + 1, 31_001), 65_536)]
+    start, stop = next(((a, b) for a, b in spans if b - a >= 1000), (0, 0))
+    if not stop:
+        raise OSError(f"no 1,000 free-to-draw ports outside the ephemeral range {low}-{high}")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     for _ in range(100):
-        port = random.randrange(PORTS_FROM, low) if low > PORTS_FROM + 1000 else 0
-        with socket.socket() as s:
+        with socket.socket(family) as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((address, random.randrange(start, stop)))
             except OSError:
                 continue  # taken: draw again
             return int(s.getsockname()[1])
-    raise OSError("no free port below the ephemeral range in 100 draws")
+    raise OSError(f"no free port in {start}-{stop - 1} in 100 draws")
 
 
-def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
-    """The first port of the kernel's ephemeral range (Linux's default is 32768)."""
+def _ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The kernel's ephemeral port range (Linux's default: 32768-60999)."""
     try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+        low, high = (int(x) for x in path.read_text().split()[:2])
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def listening_port(pid: int) -> int | None:
+    """The TCP port process `pid` listens on (its first listening socket, IPv4 before IPv6), or None
+    while it listens on none. A server started with port 0 binds a free port itself, so nothing can
+    take it between the choice and the bind. Read from /proc, which the caller must be allowed to
+    inspect: the process's socket inodes, matched against the LISTEN rows (state 0A) of its network
+    namespace's TCP tables."""
+    inodes: set[str] = set()
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # closed since the listing
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = row.split()  # sl local rem st queues timer retransmits uid timeout inode ...
+                if fields[3] == "0A" and fields[9] in inodes:
+                    return int(fields[1].rsplit(":", 1)[1], 16)
+    return None
+
+
+def wait_listening(pid: int, alive: Callable[[], bool], log: Callable[[], str], timeout_s: float) -> int:
+    """The port `pid` listens on, once it does (a cold start imports torch first)."""
+    deadline = time.monotonic() + timeout_s
+    while (port := listening_port(pid)) is None:
+        if not alive():
+            raise RuntimeError(f"the server exited before it listened:\n{log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not listen within {timeout_s:g} s:\n{log()[-3000:]}")
+        time.sleep(0.05)
+    return port
 
 
 def serve_command(*flags: str) -> list[str]:

@@ -37,11 +37,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.batcher import JOIN_TIMEOUT_S, Batcher
 from app.metrics import Metrics
 from app.service import State
+from benchmarks.server_process import wait_listening
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from tests.support.fake_engine import TORCH_BUSY, FakeEngine, LiveServer, assert_error, live, make_settings
-from tests.support.load import Request, Serve, run, text_requests, wait_listening
+from tests.support.load import Request, Serve, run, text_requests
 from tests.support.serve_forks import Forks
 
 START_TIMEOUT_S = 90  # importing torch on a busy 2-core machine, plus the loader
@@ -452,9 +453,9 @@ def _sigterm_at_the_deadline(
     env = {"EG2_HOST": "127.0.0.1", "EG2_PORT": "0", "EG2_DRAIN_DEADLINE_S": "0.2", **env}
     started = time.monotonic()
     pid = forks.start(argv, log, entry=entry, env=env)
-    port = wait_listening(pid, lambda: forks.poll(pid) is None, log.read_text, START_TIMEOUT_S)
+    deadline = started + START_TIMEOUT_S
+    port = wait_listening(pid, lambda: forks.poll(pid) is None, log.read_text, deadline - time.monotonic())
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         assert forks.poll(pid) is None, log.read_text()[-2000:]
         with contextlib.suppress(httpx.HTTPError):

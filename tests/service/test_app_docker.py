@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.server_process import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = (REPO / "docker" / "Dockerfile").read_text()
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
@@ -279,16 +281,10 @@ def test_healthcheck_asks_where_eg2_listens(
     done = healthcheck(EG2_HOST=eg2_host, EG2_PORT=str(port))
     assert done.returncode == 0, done.stderr
     # Another port on the same host: nothing listens, so unhealthy, and the log names the URL asked.
-    free = _free_port(listen)
+    free = free_port(listen)
     closed = healthcheck(EG2_HOST=eg2_host, EG2_PORT=str(free))
     assert closed.returncode == 1 and "refused" in closed.stderr.lower(), closed.stderr
     assert closed.stderr.startswith(f"http://{url_host}:{free}/ready: "), closed.stderr
-
-
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
 
 
 def test_healthcheck_fails_while_not_ready(listener: Listener) -> None:

@@ -22,6 +22,7 @@ import pytest
 
 from app.service import StartupError, State, ensure_demo_model
 from app.settings import Settings
+from benchmarks.server_process import wait_listening
 from tests.support.fake_engine import (
     STALL_HERE,
     FakeEngine,
@@ -29,7 +30,6 @@ from tests.support.fake_engine import (
     assert_error,
     live,
     make_settings,
-    port_from_log,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,14 +194,11 @@ class Proc:
             text=True,
         )
         self.lines: list[str] = []
-        self.port: int | None = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + 30
-        while self.port is None:
-            assert self.proc.poll() is None, "\n".join(self.lines)
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
+        alive = lambda: self.proc.poll() is None  # noqa: E731
+        self.port = wait_listening(self.proc.pid, alive, lambda: "".join(self.lines), 30)
         self.url = f"http://127.0.0.1:{self.port}"
         while ready and httpx.get(self.url + "/ready").status_code != 200:
             assert time.monotonic() < deadline, "server not ready"
@@ -211,8 +208,6 @@ class Proc:
         assert self.proc.stderr is not None
         for line in self.proc.stderr:
             self.lines.append(line)
-            if self.port is None:
-                self.port = port_from_log(line)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -631,12 +631,42 @@ def test_scale_measures_a_real_server(tiny_bf16: Path, tmp_path: Path) -> None:
         assert row["items_per_s"] > 0 and row["p99_ms"] >= row["p50_ms"] > 0, row
 
 
-def test_free_port_is_drawn_below_the_ephemeral_range() -> None:
-    """Outgoing connections and port-0 binds take their ports from the ephemeral range, so a port told
-    to a server in advance is drawn below it, where none of them can take it before the server binds."""
-    low = server_process._ephemeral_low()
+def test_free_port_is_drawn_outside_the_ephemeral_range_and_rays() -> None:
+    """Outgoing connections and port-0 binds take their ports from the ephemeral range, and Ray binds
+    its workers' (10002-19999) and HAProxy-mode replicas' (30000-31000): a port told to a server in
+    advance is drawn where none of them can take it before the server binds."""
+    low, high = server_process._ephemeral_range()
     ports = {server_process.free_port() for _ in range(20)}
-    assert all(server_process.PORTS_FROM <= port < low for port in ports), (sorted(ports), low)
+    assert all(not low <= port <= high and not 10_002 <= port < 20_000 for port in ports), sorted(ports)
+    assert all(not 30_000 <= port <= 31_000 for port in ports), sorted(ports)
     assert len(ports) > 1  # drawn, not one fixed port
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))  # and free
+
+
+LISTENER = """
+import socket, sys, time
+held = [socket.create_connection(("127.0.0.1", int(sys.argv[2])))]  # connected to the test's listener
+for family, host in [(socket.AF_INET6, "::1"), (socket.AF_INET, "127.0.0.1")][: int(sys.argv[1])]:
+    server = socket.socket(family)
+    server.bind((host, 0))
+    server.listen()
+    held += [server, socket.create_connection((host, server.getsockname()[1]))]  # a connection too
+print(*(s.getsockname()[1] for s in held[1::2]), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("families", [0, 1, 2], ids=["connected-only", "ipv6-only", "ipv6-and-ipv4"])
+def test_listening_port_reads_a_process_listening_socket(families: int) -> None:
+    """What `Serve` reads back after starting a server on port 0: the port of the process's listening
+    socket (IPv4 first, else IPv6), never a connected socket's; None while it listens on nothing."""
+    with socket.create_server(("127.0.0.1", 0)) as outside:
+        command = [sys.executable, "-c", LISTENER, str(families), str(outside.getsockname()[1])]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as proc:
+            try:
+                assert proc.stdout is not None
+                ports = [int(p) for p in proc.stdout.readline().split()]
+                assert server_process.listening_port(proc.pid) == (ports[-1] if ports else None), ports
+            finally:
+                proc.kill()

@@ -16,7 +16,6 @@ import base64
 import contextlib
 import functools
 import hashlib
-import re
 import sys
 import threading
 import time
@@ -456,14 +455,6 @@ def assert_error(response: Any, status: int, name: str, param: Any = _NO_PARAM) 
         assert error["param"] == param, error
     assert response.headers.get("x-request-id"), dict(response.headers)
     return dict(error)
-
-
-_PORT_LINE = re.compile(r"Uvicorn running on http://[\d.]+:(\d+)")
-
-
-def port_from_log(line: str) -> int | None:
-    match = _PORT_LINE.search(line)
-    return int(match.group(1)) if match else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,8 +9,9 @@ per request and a deadline for the run) and in place: it refuses any host but lo
 Outcomes are counted by HTTP status; a request that got no answer (client timeout, reset, refused) is
 counted by exception name in `errors`, which is how a hung connection shows.
 
-`Serve` starts the installed console script on 127.0.0.1 and a port it binds itself (port 0), collects its stderr (the JSON
-logs), and reads its RSS and open descriptors from /proc, so a test sees the server as an operator does.
+`Serve` starts the installed console script on 127.0.0.1 and a port it binds itself (port 0), collects
+its stderr (the JSON logs), and reads its RSS and open descriptors from /proc, so a test sees the
+server as an operator does.
 
 As a script, against a running server (text only, OpenAI-style bodies):
     python tests/support/load.py http://127.0.0.1:8000 -n 2000 -c 128 [--api-key KEY] [--items 4]
@@ -37,6 +38,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+
+from benchmarks.server_process import wait_listening
 
 LOOPBACK = ("localhost", "::1")
 EG2 = Path(sys.executable).with_name("eg2")  # the console script of this environment
@@ -204,42 +207,7 @@ def _count_rows(i: int, request: Request, response: httpx.Response) -> str | Non
 # --- the server under load: the real `eg2 serve` in a subprocess ----------------------------------
 
 
-def listening_port(pid: int) -> int | None:
-    """The TCP port process `pid` listens on, or None while it listens on none.
-
-    A server started with port 0 binds a free port itself, so no other process can take it between
-    the choice and the bind, as one can take a port chosen in advance and closed again (an outgoing
-    connection's ephemeral port, or another server's). Read from /proc: the process's socket inodes,
-    matched against the LISTEN rows (state 0A) of its network namespace's TCP tables.
-    """
-    inodes: set[str] = set()
-    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):  # closed since the listing
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:[") : -1])
-    for table in ("tcp", "tcp6"):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            for row in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-                fields = row.split()  # sl local rem st queues timer retransmits uid timeout inode ...
-                if fields[3] == "0A" and fields[9] in inodes:
-                    return int(fields[1].rsplit(":", 1)[1], 16)
-    return None
-
-
-def wait_listening(
-    pid: int, alive: Callable[[], bool], log: Callable[[], str], timeout_s: float = 120.0
-) -> int:
-    """The port `pid` listens on, waiting for the bind (a cold start imports torch first)."""
-    deadline = time.monotonic() + timeout_s
-    while (port := listening_port(pid)) is None:
-        if not alive():
-            raise RuntimeError(f"the server exited before it listened:\n{log()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not listen within {timeout_s:g} s:\n{log()[-3000:]}")
-        time.sleep(0.05)
-    return port
+START_S = 120.0  # how long `Serve` waits for the bind when asked its port: a cold start imports torch
 
 
 class Serve:
@@ -273,8 +241,12 @@ class Serve:
     @property
     def port(self) -> int:
         """The port the server bound (it is started with port 0); waits for the bind."""
+        return self.wait_port(START_S)
+
+    def wait_port(self, timeout_s: float) -> int:
         if self._port is None:
-            self._port = wait_listening(self.proc.pid, lambda: self.proc.poll() is None, lambda: self.log)
+            alive = lambda: self.proc.poll() is None  # noqa: E731
+            self._port = wait_listening(self.proc.pid, alive, lambda: self.log, timeout_s)
         return self._port
 
     @property
@@ -283,6 +255,7 @@ class Serve:
 
     def wait_ready(self, timeout_s: float = 60.0) -> Serve:
         deadline = time.monotonic() + timeout_s
+        self.wait_port(timeout_s)
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"eg2 serve exited with {self.proc.returncode}:\n{self.log[-3000:]}")
