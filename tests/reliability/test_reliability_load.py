@@ -13,7 +13,11 @@ which jumps at random points of later phases (`python -m benchmarks.rss_drift`, 
 from __future__ import annotations
 
 import base64
+import json
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -328,3 +332,20 @@ def test_overload_is_refused_with_429_then_recovers(tiny_bf16: Path, reference: 
         calm = run(server.url, make_request, total=200, concurrency=8, check=reference.check, timeout_s=60)
         assert calm.statuses == {200: 200}, calm.summary()
         assert calm.n_failures == 0, "\n".join(calm.failures)
+
+
+def test_the_load_script_runs_on_its_own(server: Serve) -> None:
+    """The documented command (docs/RELIABILITY.md): the file as a script, from the repository root,
+    with nothing of the repository on its path but itself; exit 0 and its JSON summary."""
+    script = Path(__file__).parents[1] / "support" / "load.py"
+    done = subprocess.run(
+        [sys.executable, str(script), server.url, "-n", "40", "-c", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["requests"] == 40 and summary["statuses"] == {"200": 40}, summary

@@ -39,8 +39,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from benchmarks.server_process import wait_listening
-
 LOOPBACK = ("localhost", "::1")
 EG2 = Path(sys.executable).with_name("eg2")  # the console script of this environment
 
@@ -244,6 +242,9 @@ class Serve:
         return self.wait_port(START_S)
 
     def wait_port(self, timeout_s: float) -> int:
+        # Imported here: as a script (`python tests/support/load.py URL`) this file needs no repo imports.
+        from benchmarks.server_process import wait_listening
+
         if self._port is None:
             alive = lambda: self.proc.poll() is None  # noqa: E731
             self._port = wait_listening(self.proc.pid, alive, lambda: self.log, timeout_s)
