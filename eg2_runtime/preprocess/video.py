@@ -13,7 +13,8 @@ images are, with the video budget (70 soft tokens per frame by default).
 
 Safety: the frame size, declared duration, declared frame count and the pixels to decode (frame size x
 frames up to the last sampled one) are checked against `MediaLimits` before decoding; decoding stops
-after the last sampled frame and checks every decoded frame's size.
+after the last sampled frame, and checks every decoded frame's size and the pixels decoded so far
+(a stream may grow its frames past the size its header declares).
 """
 
 from __future__ import annotations
@@ -125,14 +126,12 @@ def decode_video(
             # One converter per stream: `frame.to_ndarray(format=...)` builds a new swscale context
             # for every frame (an 8-frame clip: 15.4 -> 3.0 ms on the dev machine). Same pixels.
             to_rgb, rescale = VideoReformatter(), VideoReformatter()
+            decoded = 0  # pixels decoded so far: frames may be larger than the declared size
             for i, frame in enumerate(container.decode(stream)):
                 check_cancel(cancel)
                 if i > last:
                     break
-                if frame.width * frame.height > limits.max_video_frame_pixels:
-                    raise InputTooLargeError(
-                        f"video frame is too large: {frame.width}x{frame.height}", param="input"
-                    )
+                decoded = _check_frame(frame, decoded, limits)
                 if i in keep:
                     if (frame.width, frame.height) != (meta.width, meta.height):
                         # A mid-stream size change: scale to the declared size so the frames stack.
@@ -225,14 +224,12 @@ def decode_spans(
             kept: dict[int, np.ndarray] = {}
             to_rgb, rescale = VideoReformatter(), VideoReformatter()
             todo = list(plans)
+            decoded = 0
             for i, frame in enumerate(container.decode(stream)):
                 check_cancel(cancel)
                 if i > last:
                     break
-                if frame.width * frame.height > limits.max_video_frame_pixels:
-                    raise InputTooLargeError(
-                        f"video frame is too large: {frame.width}x{frame.height}", param="input"
-                    )
+                decoded = _check_frame(frame, decoded, limits)
                 if i in wanted:
                     if (frame.width, frame.height) != (meta.width, meta.height):
                         frame = rescale.reformat(frame, width=meta.width, height=meta.height)
@@ -369,6 +366,23 @@ def check_decode_cost(meta: VideoMetadata, last: int, limits: MediaLimits) -> No
             f"{pixels / 1e9:.1f} billion pixels, the limit is {limits.max_video_decode_pixels / 1e9:g} billion",
             param="input",
         )
+
+
+def _check_frame(frame: Any, decoded: int, limits: MediaLimits) -> int:
+    """Refuse a decoded frame over the frame-size limit, or one that takes the pixels decoded so far
+    past the decode limit; the new total. `check_decode_cost` judged the declared size, and a stream
+    can change its size after the header (a 16x16 header, then 4K frames)."""
+    pixels = frame.width * frame.height
+    if pixels > limits.max_video_frame_pixels:
+        raise InputTooLargeError(f"video frame is too large: {frame.width}x{frame.height}", param="input")
+    decoded += pixels
+    if decoded > limits.max_video_decode_pixels:
+        raise InputTooLargeError(
+            f"video is too costly to decode: its frames exceed {limits.max_video_decode_pixels / 1e9:g} "
+            "billion pixels (its frames are larger than its header declares)",
+            param="input",
+        )
+    return decoded
 
 
 def _too_long(seconds: float, limits: MediaLimits) -> InputTooLargeError:

@@ -23,7 +23,7 @@ from app.settings import Settings
 from eg2_runtime.errors import Cancelled, InputTooLargeError
 from eg2_runtime.preprocess import video as video_module
 from eg2_runtime.preprocess.image import PatchGeometry, resize_uint8, unit_pixels
-from eg2_runtime.preprocess.video import VideoConfig, decode_video, prepare_frames
+from eg2_runtime.preprocess.video import VideoConfig, decode_spans, decode_video, prepare_frames
 from tests.support import media
 
 CONFIG = VideoConfig()
@@ -148,6 +148,22 @@ def test_decode_cost_is_limited_from_metadata() -> None:
     with pytest.raises(InputTooLargeError, match="costly to decode"):
         decode_video(data, CONFIG, replace(LIMITS, max_video_decode_pixels=cost - 1))
     assert len(decode_video(data, CONFIG, replace(LIMITS, max_video_decode_pixels=cost)).indices) == 20
+
+
+def test_decode_cost_counts_the_frames_decoded_not_only_the_header() -> None:
+    """A stream that declares 16x16 and then sends 240x320 frames passes the header's cost check;
+    the pixels decoded so far stop it, in a clip and in its segments."""
+    data = media.growing_video(20)  # 1 fps: every frame sampled, the last is 19
+    declared, decoded = 16 * 16 * 20, 16 * 16 + 240 * 320 * 19
+    limits = replace(
+        LIMITS, max_video_decode_pixels=declared * 4, max_segment_video_decode_pixels=declared * 4
+    )
+    with pytest.raises(InputTooLargeError, match="costly to decode"):
+        decode_video(data, CONFIG, limits, geometry=PatchGeometry())
+    with pytest.raises(InputTooLargeError, match="costly to decode"):
+        list(decode_spans(data, CONFIG, limits, seconds=5, overlap=0, geometry=PatchGeometry()))
+    enough = replace(limits, max_video_decode_pixels=decoded, max_segment_video_decode_pixels=decoded)
+    assert len(decode_video(data, CONFIG, enough, geometry=PatchGeometry()).indices) == 20
 
 
 def test_decoding_stops_within_a_frame_once_cancelled() -> None:

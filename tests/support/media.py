@@ -244,6 +244,37 @@ def encode_video(
     return buf.getvalue()
 
 
+def growing_video(
+    frames: int, declared: tuple[int, int] = (16, 16), size: tuple[int, int] = (240, 320)
+) -> bytes:
+    """An H.264 MP4 at 1 fps whose header declares (height, width) = `declared` and whose frames
+    after the first are `size`: each IDR carries its own parameters (x264's repeat-headers), so a
+    decoder follows the stream, not the header."""
+    rate = Fraction(1)
+
+    def packets(shape: tuple[int, int], n: int, first: int) -> list[av.Packet]:
+        encoder = av.CodecContext.create("libx264", "w")
+        encoder.height, encoder.width = shape
+        encoder.pix_fmt, encoder.time_base = "yuv420p", 1 / rate
+        encoder.options = {"x264-params": "repeat-headers=1", "bf": "0"}
+        out: list[av.Packet] = []
+        for i in range(first, first + n):
+            frame = av.VideoFrame.from_ndarray(video_frame(i, *shape), format="rgb24")
+            frame.pts, frame.time_base = i, 1 / rate
+            out += encoder.encode(frame)
+        return out + encoder.encode(None)
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4", options={"fflags": "+bitexact"}) as out:
+        stream = out.add_stream("h264", rate=rate)
+        stream.height, stream.width = declared
+        stream.pix_fmt, stream.time_base = "yuv420p", 1 / rate
+        for k, packet in enumerate(packets(declared, 1, 0) + packets(size, frames - 1, 1)):
+            packet.stream, packet.pts, packet.dts, packet.time_base = stream, k, k, 1 / rate
+            out.mux(packet)
+    return buf.getvalue()
+
+
 def all_frames(data: bytes) -> tuple[np.ndarray, float]:
     """Every frame of a clip as (T, H, W, 3) uint8 RGB in decode order, and its average frame rate."""
     with av.open(io.BytesIO(data)) as container:
