@@ -31,6 +31,11 @@ Image.init()  # register every plugin now: open(formats=...) looks the names up 
 # Pillow plugin names, in sniffing order (MPO, the phones' multi-picture JPEG, where Pillow has it as
 # its own plugin). Anything else (EPS would run Ghostscript, PSD, ICO, ...) is refused unopened.
 FORMATS = tuple(f for f in ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP", "TIFF") if f in Image.OPEN)
+# A progressive JPEG's scans each pass over the whole image, and nothing in the format bounds their
+# number: a 1.3 MB file of one 6000x6000 scan repeated 20,000 times kept a core busy for minutes in one
+# Pillow call, which no cancel flag can stop. libjpeg's default progression has 10 scans (6 for grey)
+# and hand-written scan scripts a few dozen.
+MAX_JPEG_SCANS = 100
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,13 @@ def decode_image(data: bytes, *, max_pixels: int) -> np.ndarray:
         if width * height > max_pixels:
             raise InputTooLargeError(
                 f"image is too large: {width}x{height} = {width * height} pixels, the limit is {max_pixels}",
+                param="input",
+            )
+        # Start-of-scan markers: entropy-coded data stuffs every 0xFF it holds, so only a marker (or an
+        # embedded thumbnail's) reads FF DA.
+        if im.format in ("JPEG", "MPO") and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+            raise InputTooLargeError(
+                f"image has too many scans to decode: {scans} JPEG scans, the limit is {MAX_JPEG_SCANS}",
                 param="input",
             )
         try:

@@ -127,6 +127,14 @@ def test_zip_bomb_png() -> None:
     expect(image(bomb), InputTooLargeError, "too large")
 
 
+def test_jpeg_scan_bomb() -> None:
+    """Refused before decoding, by its count of scans; a progressive JPEG's own 10 decode."""
+    plain = media.encode_image(PICTURE, "JPEG", progressive=True)
+    assert plain.count(b"\xff\xda") == 10 and image(plain).shape == PICTURE.shape
+    bomb = media.jpeg_scan_bomb(PICTURE, repeats=200)
+    expect(image(bomb), InputTooLargeError, "too many scans")
+
+
 def test_png_text_chunk_bomb() -> None:
     bomb = media.png_text_bomb(PICTURE)
     assert len(bomb) < 100_000

@@ -283,6 +283,14 @@ def all_frames(data: bytes) -> tuple[np.ndarray, float]:
         return np.stack(frames), float(stream.average_rate)
 
 
+def jpeg_scan_bomb(rgb: np.ndarray, repeats: int) -> bytes:
+    """A progressive JPEG whose last scan is repeated `repeats` more times: each pass over the whole
+    image again, with nothing in the format to bound how many there are."""
+    data = encode_image(rgb, "JPEG", progressive=True)
+    last, end = data.rfind(b"\xff\xda"), data.rfind(b"\xff\xd9")
+    return data[:end] + data[last:end] * repeats + data[end:]
+
+
 def png_text_bomb(rgb: np.ndarray, inflated_bytes: int = 20 << 20) -> bytes:
     """A valid PNG carrying a zTXt chunk that inflates to `inflated_bytes` (~20 KB on disk)."""
     png = encode_image(rgb, "PNG")
