@@ -168,6 +168,14 @@ def _run_here(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
     return future
 
 
+def _at_item(error: BaseException, index: int) -> BaseException:
+    """An item's error with its `param` narrowed from the whole input to that item (`input[2]`): the
+    runtime knows the part it failed on, not where the item sits in the request."""
+    if isinstance(error, EG2Error) and error.param == "input":
+        error.param = f"input[{index}]"
+    return error
+
+
 def _text_chars(items: Sequence[Item], options: PrepareOptions) -> int:
     """Characters the tokenizer will see for these items: each item's text, and the prompt (which
     the preprocessor puts before every item)."""
@@ -736,8 +744,9 @@ class Batcher:
             estimate = self._prep.submit(self._engine.estimate_many, items, options)
             request.prep_futures.append(estimate)  # skipped if the client leaves before it runs
         results = await estimate
-        if (error := next((r for r in results if isinstance(r, EG2Error)), None)) is not None:
-            raise error
+        for i, result in enumerate(results):
+            if isinstance(result, EG2Error):
+                raise _at_item(result, i)
         estimates = [r for r in results if isinstance(r, Estimate)]
         total = sum(e.total for e in estimates)
         if total > self._max_request_tokens:
@@ -791,12 +800,12 @@ class Batcher:
             return
         if (exc := prep.exception()) is not None:
             request.failed += len(indices)
-            request.fail(exc)  # one bad item fails its own request only
+            request.fail(_at_item(exc, indices[0]) if len(indices) == 1 else exc)  # its own request only
             return
         results = prep.result()
-        if errors := [r for r in results if isinstance(r, EG2Error)]:
+        if errors := [(i, r) for i, r in zip(indices, results, strict=True) if isinstance(r, EG2Error)]:
             request.failed += len(errors)
-            request.fail(errors[0])
+            request.fail(_at_item(*errors[0][::-1]))
             return
         if request.dead:
             return  # counted as dropped where the request ended

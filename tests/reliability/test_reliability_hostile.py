@@ -105,6 +105,7 @@ HOSTILE_MEDIA: list[tuple[str, dict[str, Any], int, str]] = [
     ("png-header-claims-100k-x-100k", image_part(media.png_header_only(100_000, 100_000)), 413, "too large"),
     ("png-header-claims-7000-x-7000", image_part(media.png_header_only(7_000, 7_000)), 413, "7000x7000"),
     ("png-text-chunk-bomb", image_part(media.png_text_bomb(PICTURE)), 400, "too large"),
+    ("jpeg-scan-bomb", image_part(media.jpeg_scan_bomb(PICTURE, 200), "image/jpeg"), 413, "too many scans"),
     ("eps-sent-as-png", image_part(EPS), 400, ""),
     ("mp4-declares-a-million-frames", video_part(media.mp4_declaring_frames(MP4, 1_000_000)), 413, "1000000"),
     (
@@ -151,6 +152,7 @@ def test_hostile_media_is_refused_quickly(
     r, seconds = post(client, {"input": ["a good item beside it", part]})
     error = assert_error(r, status, "request_too_large" if status == 413 else "invalid_request_error")
     assert word.lower() in error["message"].lower(), error
+    assert error["param"].startswith("input[1]"), error  # the item, not the whole input
     assert seconds < SECONDS, f"{case} took {seconds:.1f} s"
 
 
