@@ -805,7 +805,8 @@ class Batcher:
         results = prep.result()
         if errors := [(i, r) for i, r in zip(indices, results, strict=True) if isinstance(r, EG2Error)]:
             request.failed += len(errors)
-            request.fail(_at_item(*errors[0][::-1]))
+            index, error = errors[0]
+            request.fail(_at_item(error, index))
             return
         if request.dead:
             return  # counted as dropped where the request ended
