@@ -97,19 +97,7 @@ def sixteen_images(procs: pp.PrepareProcesses, rounds: int) -> dict[str, Any]:
     readers = ThreadPoolExecutor(procs.n, thread_name_prefix="reader")
 
     def read_apart(self: pp.PrepareProcesses, pool: Any, job: pp.PrepareJob, task: Any) -> None:
-        if job.future.done() or task.cancelled() or task.exception() is not None:
-            served(self, pool, job, task)
-            return
-
-        def read() -> None:
-            seconds, payload = task.result()
-            job.seconds = seconds
-            try:
-                pp._settle(job.future, pp._receive(*payload), None)
-            except Exception as e:
-                pp._settle(job.future, None, e)
-
-        readers.submit(read)
+        readers.submit(served, self, pool, job, task)  # the server's own callback, on a reader thread
 
     walls: dict[str, list[float]] = {"served": [], "readers": []}
     try:
