@@ -10,10 +10,11 @@
              └─► per-modality queues of prepared items
                    └─► scheduler (event loop): oldest first, the first modality whose batch is
                        ready: full, or nothing of its modality in preprocessing, or its oldest item
-                       waited max_queue_delay (plus max_request_gather while that item's own
+                       waited max_queue_delay (plus max_request_gather while the head's own
                        request still has media in preprocessing, up to its share); take the
-                       oldest item plus the queued items closest to it in cost, under
-                       max_batch_tokens and max_batch_items
+                       head plus the queued items closest to it in cost, under max_batch_tokens
+                       and max_batch_items. Requests take turns of one batch each (_Queue), so a
+                       request of many batches does not hold up the ones queued behind it
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step of up
@@ -330,33 +331,89 @@ class _Work:
         return self.index, -1 if self.item.span is None else self.item.span.index
 
 
-class _Queue:
-    """Prepared items of one modality, oldest first, with their summed cost kept up to date."""
+class _Turn:
+    """A request's items in one queue, oldest first, and what is left of its current turn."""
 
     def __init__(self) -> None:
         self.items: deque[_Work] = deque()
+        self.tokens_used = 0
+        self.items_used = 0
+
+
+class _Queue:
+    """Prepared items of one modality, in turn order: requests take turns of up to one batch (its
+    token and item limits), oldest request first; a request whose turn is used up goes behind the
+    others, and one whose items are all taken leaves (its next item joins at the back).
+
+    Order within a request is its arrival order. Requests that each fit one batch are served in
+    arrival order, as plain first-in-first-out would; a request of many batches (a long file in
+    segments, a bulk call) takes one batch's worth and then lets every request queued behind it take
+    theirs, so a one-line query that arrives behind 1.8 M tokens waits for about one batch, not all
+    of them. The summed cost is kept up to date."""
+
+    def __init__(self) -> None:
+        self.turns: dict[_Request, _Turn] = {}  # insertion order is turn order
         self.tokens = 0
+        self._n = 0
 
     def __len__(self) -> int:
-        return len(self.items)
+        return self._n
+
+    @property
+    def head(self) -> _Work:
+        """The next item in turn order: the first of the first request in line."""
+        return next(iter(self.turns.values())).items[0]
+
+    @property
+    def oldest(self) -> float:
+        """When the longest-waiting queued item was queued (each request's first is its oldest)."""
+        return min(turn.items[0].enqueued for turn in self.turns.values())
 
     def append(self, work: _Work) -> None:
-        self.items.append(work)
+        turn = self.turns.get(work.request)
+        if turn is None:
+            turn = self.turns[work.request] = _Turn()
+        turn.items.append(work)
         self.tokens += work.item.cost
+        self._n += 1
 
     def drop_dead(self) -> int:
-        live = deque(w for w in self.items if not w.request.dead)
-        dropped = len(self.items) - len(live)
-        self.items, self.tokens = live, sum(w.item.cost for w in live)
+        dead = [request for request in self.turns if request.dead]
+        dropped = 0
+        for request in dead:
+            turn = self.turns.pop(request)
+            dropped += len(turn.items)
+            self.tokens -= sum(w.item.cost for w in turn.items)
+        self._n -= dropped
         return dropped
 
-    def take(self, max_tokens: int, max_items: int, window: int) -> list[_Work]:
-        """The oldest item plus the queued ones closest to it in cost, under both budgets.
+    def in_turn_order(self, n: int, max_tokens: int, max_items: int) -> list[_Work]:
+        """The first `n` items in turn order: each request in line up to what is left of its turn,
+        then each again up to a whole turn, and so on. O(n + requests in line) per call."""
+        order: list[_Work] = []
+        taken = dict.fromkeys(self.turns, 0)  # request -> its items already in `order`
+        used = {r: (t.tokens_used, t.items_used) for r, t in self.turns.items()}
+        while len(order) < n and taken:
+            for request in list(taken):
+                turn = self.turns[request]
+                tokens, count = used[request]
+                while len(order) < n and taken[request] < len(turn.items):
+                    work = turn.items[taken[request]]
+                    if count and (count >= max_items or tokens + work.item.cost > max_tokens):
+                        break  # its turn is over: the next request's turn
+                    order.append(work)
+                    taken[request] += 1
+                    tokens, count = tokens + work.item.cost, count + 1
+                used[request] = (0, 0)  # its next turn is a whole one
+                if taken[request] == len(turn.items):
+                    del taken[request]
+        return order
 
-        Only the first `window` items are looked at, so a deep queue costs O(window) per batch.
-        """
-        head = self.items.popleft()
-        prefix = [self.items.popleft() for _ in range(min(window, len(self.items)))]
+    def take(self, max_tokens: int, max_items: int, window: int) -> list[_Work]:
+        """The head plus the queued items closest to it in cost, under both budgets, looked for among
+        the next `window` items in turn order (so a deep queue costs O(window) per batch); each taken
+        item is charged to its request's turn."""
+        head, *prefix = self.in_turn_order(window + 1, max_tokens, max_items)
         batch, tokens = [head], head.item.cost
         for work in sorted(prefix, key=lambda w: abs(w.item.cost - head.item.cost)):
             if len(batch) == max_items:
@@ -364,10 +421,28 @@ class _Queue:
             if tokens + work.item.cost <= max_tokens:
                 batch.append(work)
                 tokens += work.item.cost
-        taken = {id(w) for w in batch}
-        self.items.extendleft(reversed([w for w in prefix if id(w) not in taken]))  # back in arrival order
+        for work in batch:
+            turn = self.turns[work.request]
+            turn.items.remove(work)
+            turn.tokens_used += work.item.cost
+            turn.items_used += 1
         self.tokens -= tokens
+        self._n -= len(batch)
+        self._rotate(max_tokens, max_items)
         return sorted(batch, key=lambda w: w.item.cost)
+
+    def _rotate(self, max_tokens: int, max_items: int) -> None:
+        """Requests with nothing queued leave the line; one whose turn is used up (its next item
+        would not fit what is left of it) goes to the back with a fresh turn."""
+        for request, turn in list(self.turns.items()):
+            if not turn.items:
+                del self.turns[request]
+            elif turn.items_used and (
+                turn.items_used >= max_items or turn.tokens_used + turn.items[0].item.cost > max_tokens
+            ):
+                del self.turns[request]
+                turn.tokens_used = turn.items_used = 0
+                self.turns[request] = turn
 
 
 class Batcher:
@@ -856,7 +931,7 @@ class Batcher:
         while True:
             if self._dead_queued:
                 self._sweep()
-            heads = sorted((q.items[0].enqueued, m) for m, q in self._queues.items() if q)
+            heads = sorted((q.oldest, m) for m, q in self._queues.items() if q)
             if not heads:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -879,8 +954,8 @@ class Batcher:
 
     def _deadline(self, q: _Queue, tokens: int) -> float:
         """When the batch that the queue's head starts closes, unless it fills first or nothing more
-        of its modality is in preprocessing: max_queue_delay after the head was queued, and the
-        request gather past that while the head's own request still has media of its modality in
+        of its modality is in preprocessing: max_queue_delay after its longest-waiting item was queued
+        (the head, unless a request of many batches has had its turn), and the request gather past that while the head's own request still has media of its modality in
         preprocessing (a stream's steps are not counted), until the batch holds its share
         (_share) of the queue and those items.
 
@@ -892,8 +967,8 @@ class Batcher:
         each batch's head, so a request whose items trickle in (a slow decode, a full media budget)
         can cost it once per batch. Other requests' items of the modality wait with it; other
         modalities' ready batches run meanwhile (_next_batch)."""
-        head = q.items[0]
-        deadline = head.enqueued + self._delay_s
+        head = q.head
+        deadline = q.oldest + self._delay_s
         request, modality = head.request, head.item.modality
         pending = request.preparing[modality]
         if pending > 0 and len(q) < self._share(q, pending, request.preparing_tokens[modality], tokens):

@@ -145,6 +145,52 @@ def test_groups_items_of_similar_cost() -> None:
     assert sorted(len(b) for b in batches) == [8, 8], [[p.cost for p in b] for b in batches]
 
 
+def test_a_request_of_many_batches_takes_turns_with_the_ones_behind_it() -> None:
+    """40 texts of 100 tokens, 8 to a batch (5 batches), then a one-line query: the query runs in the
+    batch after the big request's first, not behind all five (plain first-in-first-out)."""
+    engine = FakeEngine()
+    big = [words(100, f"b{i}") for i in range(40)]
+
+    async def body(b: Batcher) -> None:
+        engine.stall()
+        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
+        await until(lambda: len(engine.batches) == 1)
+        bulk = asyncio.create_task(b.embed(items(*big), OPTS))
+        await until(lambda: b.queued() == len(big))
+        query = asyncio.create_task(b.embed(items("a short query"), OPTS))
+        await until(lambda: b.queued() == len(big) + 1)
+        engine.release()
+        await asyncio.gather(busy, bulk, query)
+
+    run(engine, body, max_batch_tokens=1000, max_batch_items=8)
+    texts = [[p.inputs[1] for p in batch] for batch in engine.batches[1:]]
+    assert sorted(len(t) for t in texts) == [1, 8, 8, 8, 8, 8], texts
+    at = next(i for i, t in enumerate(texts) if "a short query" in t)
+    assert at == 1, f"the query ran in batch {at + 1} of {len(texts)}: {texts}"
+
+
+def test_requests_that_fit_a_batch_each_run_in_arrival_order_not_interleaved() -> None:
+    """Two requests of 4 images whose decodes finish alternately (A B A B ...), 4 to a batch: each
+    request runs as one batch, the first first, rather than both waiting for two mixed batches."""
+    engine = SlowMedia()
+    first = [image(0.02 + 0.04 * i) for i in range(4)]
+    second = [image(0.04 + 0.04 * i) for i in range(4)]
+
+    async def body(b: Batcher) -> None:
+        engine.stall()
+        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
+        await until(lambda: len(engine.batches) == 1)
+        tasks = [asyncio.create_task(b.embed(first, OPTS)), asyncio.create_task(b.embed(second, OPTS))]
+        await until(lambda: b.queued() == 8)
+        engine.release()
+        await asyncio.gather(busy, *tasks)
+
+    run(engine, body, preprocess_workers=8, max_batch_items=4, max_batch_tokens=4 * 284)
+    seeds = [{engine.seed_of(x, OPTS.prompt) for x in request} for request in (first, second)]
+    batches = [{p.inputs[0] for p in batch} for batch in engine.batches if batch[0].modality == "image"]
+    assert batches == seeds, "the two requests' images were batched together"
+
+
 def test_queue_delay_waits_for_companions_in_preprocessing() -> None:
     # One preprocessing thread, 50 ms per item: the second request's item is still being prepared
     # when the first one's is queued, so the first waits for it and both share a batch.
