@@ -43,7 +43,7 @@ import math
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -332,28 +332,32 @@ class _Work:
 
 
 class _Turn:
-    """A request's items in one queue, oldest first, and what is left of its current turn."""
+    """A request's items in one queue, oldest first, and when it joined the back of the line."""
 
-    def __init__(self) -> None:
+    def __init__(self, since: float) -> None:
         self.items: deque[_Work] = deque()
-        self.tokens_used = 0
-        self.items_used = 0
+        self.since = since
 
 
 class _Queue:
-    """Prepared items of one modality, in turn order: requests take turns of up to one batch (its
-    token and item limits), oldest request first; a request whose turn is used up goes behind the
-    others, and one whose items are all taken leaves (its next item joins at the back).
+    """Prepared items of one modality, as a line of requests that take turns.
 
-    Order within a request is its arrival order. Requests that each fit one batch are served in
-    arrival order, as plain first-in-first-out would; a request of many batches (a long file in
-    segments, a bulk call) takes one batch's worth and then lets every request queued behind it take
-    theirs, so a one-line query that arrives behind 1.8 M tokens waits for about one batch, not all
-    of them. The summed cost is kept up to date."""
+    Each batch is the turn of the request at the front of the line: its items first (its first item
+    plus those closest to it in cost, from its next `window`), then, while the batch has room, the
+    items closest in cost from the `window` items of the requests behind it, in line order. After its
+    turn a request with items left goes to the back of the line; one with none leaves, and its next
+    item joins at the back. So with one item a request this is first-in-first-out; a request of many
+    batches (a long file in segments, a bulk call) runs one batch and then waits for each request
+    queued behind it to run one, so a query that arrives behind 1.8 M tokens waits for about two
+    batches, not all of them. Requests that fit one batch each run as one batch each, in the order
+    they joined, not interleaved in the order their items finished decoding.
+
+    Every operation touches at most `window` items and the requests they belong to, whatever the
+    depth of the queue (drop_dead, run when a request ends, walks the line)."""
 
     def __init__(self) -> None:
-        self.turns: dict[_Request, _Turn] = {}  # insertion order is turn order
-        self.tokens = 0
+        self.line: OrderedDict[_Request, _Turn] = OrderedDict()  # front first
+        self.tokens = 0  # summed cost of the queued items
         self._n = 0
 
     def __len__(self) -> int:
@@ -361,88 +365,73 @@ class _Queue:
 
     @property
     def head(self) -> _Work:
-        """The next item in turn order: the first of the first request in line."""
-        return next(iter(self.turns.values())).items[0]
+        """The item the next batch starts with: the front request's first."""
+        return next(iter(self.line.values())).items[0]
 
     @property
-    def oldest(self) -> float:
-        """When the longest-waiting queued item was queued (each request's first is its oldest)."""
-        return min(turn.items[0].enqueued for turn in self.turns.values())
+    def since(self) -> float:
+        """When the front request joined the line: its first item's arrival, or the end of its last
+        turn. The queue delay and the choice between modalities count from it."""
+        return next(iter(self.line.values())).since
 
     def append(self, work: _Work) -> None:
-        turn = self.turns.get(work.request)
+        turn = self.line.get(work.request)
         if turn is None:
-            turn = self.turns[work.request] = _Turn()
+            turn = self.line[work.request] = _Turn(work.enqueued)
         turn.items.append(work)
         self.tokens += work.item.cost
         self._n += 1
 
     def drop_dead(self) -> int:
-        dead = [request for request in self.turns if request.dead]
         dropped = 0
-        for request in dead:
-            turn = self.turns.pop(request)
+        for request in [r for r in self.line if r.dead]:
+            turn = self.line.pop(request)
             dropped += len(turn.items)
             self.tokens -= sum(w.item.cost for w in turn.items)
         self._n -= dropped
         return dropped
 
-    def in_turn_order(self, n: int, max_tokens: int, max_items: int) -> list[_Work]:
-        """The first `n` items in turn order: each request in line up to what is left of its turn,
-        then each again up to a whole turn, and so on. O(n + requests in line) per call."""
-        order: list[_Work] = []
-        taken = dict.fromkeys(self.turns, 0)  # request -> its items already in `order`
-        used = {r: (t.tokens_used, t.items_used) for r, t in self.turns.items()}
-        while len(order) < n and taken:
-            for request in list(taken):
-                turn = self.turns[request]
-                tokens, count = used[request]
-                while len(order) < n and taken[request] < len(turn.items):
-                    work = turn.items[taken[request]]
-                    if count and (count >= max_items or tokens + work.item.cost > max_tokens):
-                        break  # its turn is over: the next request's turn
-                    order.append(work)
-                    taken[request] += 1
-                    tokens, count = tokens + work.item.cost, count + 1
-                used[request] = (0, 0)  # its next turn is a whole one
-                if taken[request] == len(turn.items):
-                    del taken[request]
-        return order
-
     def take(self, max_tokens: int, max_items: int, window: int) -> list[_Work]:
-        """The head plus the queued items closest to it in cost, under both budgets, looked for among
-        the next `window` items in turn order (so a deep queue costs O(window) per batch); each taken
-        item is charged to its request's turn."""
-        head, *prefix = self.in_turn_order(window + 1, max_tokens, max_items)
+        """The front request's turn: a batch under both budgets, as the class says."""
+        turns = iter(self.line.items())
+        front, first = next(turns)
+        looked: list[tuple[_Turn, list[_Work]]] = [(first, list(itertools.islice(first.items, window + 1)))]
+        head = looked[0][1][0]
         batch, tokens = [head], head.item.cost
-        for work in sorted(prefix, key=lambda w: abs(w.item.cost - head.item.cost)):
-            if len(batch) == max_items:
-                break
-            if tokens + work.item.cost <= max_tokens:
-                batch.append(work)
-                tokens += work.item.cost
-        for work in batch:
-            turn = self.turns[work.request]
-            turn.items.remove(work)
-            turn.tokens_used += work.item.cost
-            turn.items_used += 1
+
+        def fill(candidates: list[_Work]) -> None:
+            nonlocal tokens
+            for work in sorted(candidates, key=lambda w: abs(w.item.cost - head.item.cost)):
+                if len(batch) == max_items:
+                    return
+                if tokens + work.item.cost <= max_tokens:
+                    batch.append(work)
+                    tokens += work.item.cost
+
+        fill(looked[0][1][1:])
+        others: list[_Work] = []
+        while len(batch) < max_items and len(others) < window and (nxt := next(turns, None)) is not None:
+            seen = list(itertools.islice(nxt[1].items, window - len(others)))
+            looked.append((nxt[1], seen))
+            others += seen
+        fill(others)
+
+        taken = {id(w) for w in batch}
+        for turn, seen in looked:  # the looked-at prefix of each turn, less what was taken
+            for _ in seen:
+                turn.items.popleft()
+            turn.items.extendleft(reversed([w for w in seen if id(w) not in taken]))
+        for request in {w.request for w in batch} - {front}:
+            if not self.line[request].items:
+                del self.line[request]
+        if first.items:  # its turn is over: to the back of the line
+            self.line.move_to_end(front)
+            first.since = time.monotonic()
+        else:
+            del self.line[front]
         self.tokens -= tokens
         self._n -= len(batch)
-        self._rotate(max_tokens, max_items)
         return sorted(batch, key=lambda w: w.item.cost)
-
-    def _rotate(self, max_tokens: int, max_items: int) -> None:
-        """Requests with nothing queued leave the line; one whose turn is used up (its next item
-        would not fit what is left of it) goes to the back with a fresh turn."""
-        for request, turn in list(self.turns.items()):
-            if not turn.items:
-                del self.turns[request]
-            elif turn.items_used and (
-                turn.items_used >= max_items or turn.tokens_used + turn.items[0].item.cost > max_tokens
-            ):
-                del self.turns[request]
-                turn.tokens_used = turn.items_used = 0
-                self.turns[request] = turn
 
 
 class Batcher:
@@ -924,14 +913,16 @@ class Batcher:
                 self._metrics.queue_depth.labels(modality).set(len(q))
 
     async def _next_batch(self) -> list[_Work]:
-        """The next batch: of the modalities with queued items, oldest head first, the first whose
-        batch is ready (full, nothing more of its modality in preprocessing, or its head's deadline
-        passed); else wait for the nearest deadline or a change. A modality waiting for its items
+        """The next batch: the modalities with queued items are looked at in the order their front
+        requests joined their lines (_Queue.since), and the first whose batch is ready (full, nothing
+        more of its modality in preprocessing, or its deadline passed) runs; else wait for the nearest
+        deadline or a change. A request of many batches rejoins the back after each turn, so it does not hold
+        another modality's older items behind all of its batches. A modality waiting for its items
         in preprocessing never holds up another's ready batch."""
         while True:
             if self._dead_queued:
                 self._sweep()
-            heads = sorted((q.oldest, m) for m, q in self._queues.items() if q)
+            heads = sorted((q.since, m) for m, q in self._queues.items() if q)
             if not heads:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -954,9 +945,9 @@ class Batcher:
 
     def _deadline(self, q: _Queue, tokens: int) -> float:
         """When the batch that the queue's head starts closes, unless it fills first or nothing more
-        of its modality is in preprocessing: max_queue_delay after its longest-waiting item was queued
-        (the head, unless a request of many batches has had its turn), and the request gather past that while the head's own request still has media of its modality in
-        preprocessing (a stream's steps are not counted), until the batch holds its share
+        of its modality is in preprocessing: max_queue_delay after the front request joined the line
+        (_Queue.since), and the request gather past that while the head's own request still has media
+        of its modality in preprocessing (a stream's steps are not counted), until the batch holds its share
         (_share) of the queue and those items.
 
         A request is answered when its last row is. Its items split over batches as they finish
@@ -968,7 +959,7 @@ class Batcher:
         can cost it once per batch. Other requests' items of the modality wait with it; other
         modalities' ready batches run meanwhile (_next_batch)."""
         head = q.head
-        deadline = q.oldest + self._delay_s
+        deadline = q.since + self._delay_s
         request, modality = head.request, head.item.modality
         pending = request.preparing[modality]
         if pending > 0 and len(q) < self._share(q, pending, request.preparing_tokens[modality], tokens):
