@@ -472,6 +472,21 @@ def test_error_rows(
         assert r.headers["x-request-id"] in error["message"] and PREPARE_BUG not in r.text
 
 
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+@pytest.mark.parametrize("field", ["seconds", "overlap"])
+def test_segment_numbers_must_be_finite(client: httpx.Client, field: str, number: bytes) -> None:
+    """pydantic's JSON parser reads NaN, Infinity and 1e999 (infinity) as floats; the bound checks
+    alone answered "less than or equal to 120" for NaN seconds, which misleads."""
+    values = {"seconds": b"10", "overlap": b"0.1", field: number}
+    content = b'{"input": "x", "segments": {"seconds": %s, "overlap": %s}}' % (
+        values["seconds"],
+        values["overlap"],
+    )
+    r = client.post("/v1/embeddings", content=content, headers={"content-type": "application/json"})
+    error = assert_error(r, 400, "invalid_request_error", f"segments.{field}")
+    assert error["message"] == f"segments.{field}: Input should be a finite number", error
+
+
 def test_other_requests_in_a_batch_survive_errors(client: httpx.Client, ref_engine: Any) -> None:
     """After every error above, the server still answers correctly."""
     r = post(client, {"input": "still fine"})
