@@ -5,7 +5,8 @@
                     was for), last-resort 500
     CORS            only when origins are configured (starlette's)
     Auth            bearer key on every path but the public ones, constant-time compare
-    Body            the whole body read up front: 413 past the byte limit (from Content-Length, or while
+    Body            the whole body read up front: 415 for a Content-Encoding other than identity (no
+                    content coding is decoded), 413 past the byte limit (from Content-Length, or while
                     streaming), 408 when it arrives too slowly; then replayed to the app
 
 Deny by default: auth and the body limit sit in front of routing, so a new route is covered without
@@ -30,7 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import error_body, internal_error_response
+from app.errors import clip, error_body, internal_error_response
 from app.logs import request_id_var
 from app.metrics import Metrics
 
@@ -169,7 +170,21 @@ class BodyMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = Headers(scope=scope).get("content-length")
+        headers = Headers(scope=scope)
+        # No content coding is decoded (a gzip body would need a bound on what it inflates to): one that
+        # is not identity would be read as if it were, so it is refused before the body is read.
+        codings = [c.strip() for h in headers.getlist("content-encoding") for c in h.split(",")]
+        if coded := [c for c in codings if c and c.lower() != "identity"]:
+            await _send_error(
+                send,
+                415,
+                "invalid_request_error",
+                f"Content-Encoding {clip(coded[0])} is not supported: send the body uncompressed",
+                close=True,
+                extra={"accept-encoding": "identity"},
+            )
+            return
+        declared = headers.get("content-length")
         if declared is not None:
             if not declared.strip().isdigit():
                 await _send_error(send, 400, "invalid_request_error", "invalid Content-Length", close=True)

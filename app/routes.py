@@ -63,6 +63,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         401: "missing or wrong API key",
         404: "unknown model",
         413: "request too large",
+        415: "a Content-Encoding other than identity: bodies are not decompressed",
         429: "overloaded, see Retry-After",
         503: "loading, draining, timed out or engine failure",
     }.items()

@@ -38,8 +38,9 @@ from eg2_runtime.inputs import (
 )
 
 # strict: a value of the wrong JSON type is refused, not coerced (OpenAI's API refuses "dimensions": "256";
-# lax pydantic would read it as 256, "false" as a bool, 256.0 as an int).
-_STRICT = ConfigDict(extra="forbid", strict=True)
+# lax pydantic would read it as 256, "false" as a bool, 256.0 as an int). Numbers must be finite: pydantic's
+# JSON parser reads NaN, Infinity and 1e999, which a bound check would refuse as out of range.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class TextPartIn(BaseModel):
@@ -225,9 +226,7 @@ class SegmentsIn(BaseModel):
 class InputRequest(BaseModel):
     """The fields that say what to embed and how to prepare it: /v1/embeddings and /tokenize alike."""
 
-    model_config = ConfigDict(
-        extra="forbid", strict=True, json_schema_extra={"examples": [{"model": "eg2", "input": "hi"}]}
-    )
+    model_config = ConfigDict(**_STRICT, json_schema_extra={"examples": [{"model": "eg2", "input": "hi"}]})
 
     model: str | None = Field(None, description="The served name or an alias; another name gets 404.")
     input: InputIn | None = Field(

@@ -289,16 +289,27 @@ class Settings(BaseSettings):
         default=384_000,
         ge=1,
         description="Highest audio sample rate accepted, in Hz; higher gets 400. Only the first 30 s is ever "
-        "decoded, but decoding and resampling time per second grows with the rate; 384 kHz is the highest "
-        "rate studio formats use.",
+        "decoded, but decoding and resampling time per second grows with the rate (max_audio_decode_samples "
+        "bounds it); 384 kHz is the highest rate studio formats use.",
+    )
+    max_audio_decode_samples: int = Field(
+        default=24_000_000,
+        ge=1,
+        description="Most samples decoding one audio may produce: its channels x its rate x the seconds decoded "
+        "(its first 30 s, or all of it when shorter), from its header before decoding and counted while "
+        "decoding; more gets 413. CPU time follows it, not the duration: 31 s of 8 channels at 384 kHz is "
+        "93 million samples (a 100 KB FLAC of silence; 0.46 s of one dev-machine core, and 64 in one request "
+        "took 49 s), 30 s of 16 kHz mono 0.48 million. The default admits 30 s of stereo at 384 kHz or of "
+        "7.1 at 96 kHz (23 million, ~0.1-0.25 s of a core). Lower bounds decode time per clip more tightly; "
+        "higher accepts more channels at high rates.",
     )
     max_video_seconds: float = Field(
         default=120.0,
         gt=0,
         description="Longest video accepted (from container metadata, before decoding); more gets 413. Past "
         "32 s the model sees 32 frames whatever the length, so longer clips buy little. Higher accepts longer "
-        "clips; their decoding cost is bounded by max_video_decode_pixels. Audio needs no limit: only its first "
-        "30 s is ever decoded.",
+        "clips; their decoding cost is bounded by max_video_decode_pixels. Audio needs no such limit: only its "
+        "first 30 s is ever decoded, under max_audio_decode_samples.",
     )
     max_video_frame_pixels: int = Field(
         default=3840 * 2160,
@@ -328,6 +339,16 @@ class Settings(BaseSettings):
         "one span), and each span is a GPU item: an hour in 10 s spans is 360 items. Decoding and featurizing "
         "an hour of audio takes ~10-20 s of one core, so raise request_timeout_s with it. Lower bounds how "
         "long one request may hold a decoding thread.",
+    )
+    max_segment_audio_decode_samples: int = Field(
+        default=400_000_000,
+        ge=1,
+        description="Most samples decoding one audio with `segments` may produce: its channels x its rate x "
+        "all its seconds, from its header before decoding and counted while decoding; more gets 413. The "
+        "default admits an hour of 48 kHz stereo (346 million samples; decoding and resampling 10 minutes "
+        "of it took 0.53 s of one dev-machine core), where an hour of 8 channels at 384 kHz would be 11 "
+        "billion. Lower bounds decode time per request more tightly; higher accepts long audio with more "
+        "channels or higher rates.",
     )
     max_segment_video_seconds: float = Field(
         default=1800.0,

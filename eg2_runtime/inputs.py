@@ -135,12 +135,14 @@ class MediaLimits:
     max_audio_channels: int
     min_audio_rate: int  # Hz
     max_audio_rate: int  # Hz
+    max_audio_decode_samples: int  # channels x frames decoded (at most the first 30 s)
     max_video_seconds: float  # declared duration
     max_video_frame_pixels: int  # declared width x height of one frame
     max_video_frames: int  # declared frame count
     max_video_decode_pixels: int  # frame pixels x frames decoded to reach the last sampled frame
     # Items with segments: every frame and sample is decoded, and the model sees them span by span.
     max_segment_audio_seconds: float  # audio decoded whole, span by span
+    max_segment_audio_decode_samples: int  # channels x every frame
     max_segment_video_seconds: float  # declared duration
     max_segment_video_decode_pixels: int  # frame pixels x every frame
 
@@ -148,13 +150,15 @@ class MediaLimits:
     def unbounded(cls) -> MediaLimits:
         """No limits: for tools and tests on trusted files. A server always passes its own."""
         n, inf = sys.maxsize, float("inf")
-        return cls(n, n, 1, n, inf, n, n, n, inf, inf, n)
+        return cls(n, n, 1, n, n, inf, n, n, n, inf, n, inf, n)
 
     def for_segments(self) -> MediaLimits:
-        """The limits a video with segments is checked against: its duration and decode cost under the
-        segment limits; its frame count bounded by those (frames stream through, a span at a time)."""
+        """The limits media with segments are checked against: a video's duration and decode cost and an
+        audio's decode cost under the segment limits; a video's frame count bounded by those (frames
+        stream through, a span at a time)."""
         return replace(
             self,
+            max_audio_decode_samples=self.max_segment_audio_decode_samples,
             max_video_seconds=self.max_segment_video_seconds,
             max_video_frames=sys.maxsize,
             max_video_decode_pixels=self.max_segment_video_decode_pixels,

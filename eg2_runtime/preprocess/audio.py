@@ -45,6 +45,7 @@ MAX_SAMPLES = 480_000  # 30 s: the feature extractor's max_length
 MAX_SECONDS = MAX_SAMPLES / SAMPLE_RATE
 # Decoded past 30 s so the resampler's filter has real signal at the cut; 0.25 s >> soxr's filter length.
 _MARGIN_SECONDS = 0.25
+DECODED_SECONDS = MAX_SECONDS + _MARGIN_SECONDS  # the most `load_audio` decodes of a file, by default
 _SOUNDFILE_MAGIC = (b"RIFF", b"RF64", b"fLaC", b"OggS", b"FORM")
 # PyAV demuxers we accept; anything else FFmpeg might guess from the bytes is refused.
 _AV_FORMATS = {"mp3", containers.MP4, containers.MATROSKA, "ogg", "wav", "flac", "aac"}
@@ -284,7 +285,8 @@ def stream_clips(
     """Decode the whole file once, and give each span of `seconds` (preprocess/segments.py, over the
     16 kHz samples) as soon as it is decoded, then the item itself (its first 30 s, as `load_audio`
     gives it). Memory: one span and the first 30 s, whatever the file's length. Past
-    `limits.max_segment_audio_seconds`: InputTooLargeError.
+    `limits.max_segment_audio_seconds`, or the segment limits' decode cost (MediaLimits.for_segments):
+    InputTooLargeError.
     """
     size = round(seconds * SAMPLE_RATE)
     step = segments.step_of(size, overlap)
@@ -293,7 +295,7 @@ def stream_clips(
     pending: list[np.ndarray] = []  # samples [kept, received) not yet cut, block by block
     kept = received = start = 0  # `start`: the next span's first sample
     last_end = -1
-    for block in _stream_16k(data, limits, cancel):
+    for block in _stream_16k(data, limits.for_segments(), cancel):
         if head_n < MAX_SAMPLES:
             head.append(block[: MAX_SAMPLES - head_n])
             head_n += len(head[-1])
@@ -338,20 +340,73 @@ def _stream_16k(data: bytes, limits: MediaLimits, cancel: Event | None) -> Itera
         yield resampler.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
 
 
-def probe_seconds(data: bytes) -> float | None:
-    """The duration the file declares, from its header alone (nothing decoded); None when it declares
-    none or the header cannot be read (the decoder then has the last word on the file)."""
+@dataclass(frozen=True)
+class Header:
+    """What an audio file declares before anything is decoded; None where it declares nothing."""
+
+    seconds: float | None = None
+    rate: int | None = None  # Hz
+    channels: int | None = None
+
+
+def probe(data: bytes) -> Header:
+    """The file's declared duration, rate and channels, from its header alone (nothing decoded); an
+    empty Header when the header cannot be read (the decoder then has the last word on the file)."""
     try:
         if data[:4] in _SOUNDFILE_MAGIC:
             with contextlib.suppress(Exception):
                 info = sf.info(io.BytesIO(data))
                 if 0 < info.frames < _UNKNOWN_FRAMES and info.samplerate > 0:
-                    return float(info.frames / info.samplerate)
+                    return Header(
+                        float(info.frames / info.samplerate), int(info.samplerate), int(info.channels)
+                    )
         with containers.open_container(data, _AV_FORMATS, "audio", "audio") as c:
             stream = next((s for s in c.streams if s.type == "audio"), None)
-            return containers.declared_seconds(c, stream) if stream is not None else None
+            if stream is None:
+                return Header()
+            codec = stream.codec_context
+            return Header(
+                containers.declared_seconds(c, stream),
+                int(codec.sample_rate or 0) or None,
+                codec.channels or None,
+            )
     except Exception:
-        return None
+        return Header()
+
+
+def check_decode_cost(header: Header, limits: MediaLimits, *, segments: bool = False) -> None:
+    """Refuse audio whose header proves that decoding it would produce more samples than the limit:
+    channels x rate x the seconds decoded (its first 30 s, under max_audio_decode_samples; with
+    `segments` all of it, under max_segment_audio_decode_samples). Decode time follows that product,
+    not the duration alone: 30 s of 8 channels at 384 kHz is 192 times the work of 30 s of 16 kHz
+    mono. A header that declares no length proves nothing; the decoder counts the samples as it goes
+    (`_count_decoded`)."""
+    if header.seconds is None or header.rate is None or header.channels is None:
+        return
+    seconds = header.seconds if segments else min(header.seconds, DECODED_SECONDS)
+    setting = "max_segment_audio_decode_samples" if segments else "max_audio_decode_samples"
+    most: int = getattr(limits, setting)
+    samples = math.ceil(seconds * header.rate) * header.channels
+    if samples > most:
+        raise InputTooLargeError(
+            f"audio is too costly to decode: {seconds:.2f} s of {header.channels} channels at "
+            f"{header.rate} Hz = {samples:,} samples, more than this server's limit of {most:,} ({setting})",
+            param="input",
+        )
+
+
+def _count_decoded(decoded: int, frames: int, channels: int, limits: MediaLimits) -> int:
+    """The samples decoded so far with a block of `frames` x `channels` more, refused past
+    `limits.max_audio_decode_samples`: `check_decode_cost` judged the header, which may declare no
+    length, or a false one."""
+    decoded += frames * channels
+    if decoded > limits.max_audio_decode_samples:
+        raise InputTooLargeError(
+            f"audio is too costly to decode: its samples (channels x frames) exceed "
+            f"{limits.max_audio_decode_samples:,}",
+            param="input",
+        )
+    return decoded
 
 
 def _decode(
@@ -414,7 +469,7 @@ def _blocks_soundfile(
             rate, channels, declared = int(f.samplerate), int(f.channels), int(f.frames)
             _check_format(rate, channels, limits)
             budget = _budget(max_seconds, rate)
-            got = 0
+            got = decoded = 0
             # Read in blocks, never `frames` at once: the header's frame count is not trusted.
             while got < budget:
                 check_cancel(cancel)
@@ -422,13 +477,14 @@ def _blocks_soundfile(
                 if len(block) == 0:
                     break
                 got += len(block)
+                decoded = _count_decoded(decoded, len(block), channels, limits)
                 yield rate, block.mean(axis=1, dtype=np.float32) if channels > 1 else block[:, 0]
             if got < min(declared, budget) and declared < _UNKNOWN_FRAMES:
                 # FLAC's STREAMINFO (and the like) promised more frames than the data holds.
                 raise MediaDecodeError(
                     f"audio file is truncated: {declared} frames declared, {got} found", param="input"
                 )
-    except (MediaDecodeError, Cancelled):
+    except (MediaDecodeError, InputTooLargeError, Cancelled):
         raise
     except sf.LibsndfileError as e:
         raise MediaDecodeError(f"could not decode audio: {e.error_string}", param="input") from e
@@ -480,7 +536,7 @@ def _blocks_av(
             if stream is None:
                 raise MediaDecodeError("could not decode audio: the file has no audio stream", param="input")
             rate = 0
-            got, budget = 0, 0
+            got, budget, decoded = 0, 0, 0
             exact = c.format.name in containers.EXACT_DURATION
             declared = containers.declared_seconds(c, stream) if exact else None
             frame: Any
@@ -496,10 +552,11 @@ def _blocks_av(
                     )
                 mono = _av_mono(frame, limits)
                 got += len(mono)
+                decoded = _count_decoded(decoded, len(mono), frame.layout.nb_channels, limits)
                 yield rate, mono
                 if got >= budget:
                     break
-    except (MediaDecodeError, Cancelled):
+    except (MediaDecodeError, InputTooLargeError, Cancelled):
         raise
     except MemoryError as e:
         raise InputTooLargeError("audio is too large to decode", param="input") from e

@@ -186,7 +186,8 @@ class Preprocessor:
             span_tokens = segments.covered(len(part.text), size, overlap) + n * (fixed + prompt)
             return Estimate(self._estimate_item(item, options), n, span_tokens)
         if part.kind == "audio":
-            seconds = audio.probe_seconds(part.data)
+            header = audio.probe(part.data)
+            seconds = header.seconds
             limit = self.limits.max_segment_audio_seconds
             if seconds is not None and seconds > limit:
                 raise InputTooLargeError(
@@ -194,6 +195,7 @@ class Preprocessor:
                     "audio with segments (max_segment_audio_seconds)",
                     param="input",
                 )
+            audio.check_decode_cost(header, self.limits, segments=True)
             # A duration the header does not declare counts as the most the decoder will take.
             most = limit if math.isfinite(limit) else audio.MAX_SECONDS
             length = round(audio.SAMPLE_RATE * (seconds if seconds is not None else most))
@@ -224,8 +226,11 @@ class Preprocessor:
                 pixels = self.limits.max_image_pixels
                 fixed += image.probe_tokens(part.data, budget, self.geometry, pixels) + 2
             elif part.kind == "audio":
-                seconds = audio.probe_seconds(part.data)
-                fixed += self.log_mel.soft_tokens(audio.MAX_SECONDS if seconds is None else seconds) + 2
+                header = audio.probe(part.data)
+                if item.span_unit is None:  # with spans, `estimate` checks the whole decode, as segments
+                    audio.check_decode_cost(header, self.limits)
+                seconds = audio.MAX_SECONDS if header.seconds is None else header.seconds
+                fixed += self.log_mel.soft_tokens(seconds) + 2
             else:
                 fixed += video.probe_tokens(part.data, self.video_config, self.geometry, self.limits)
         if fixed > self.max_tokens:

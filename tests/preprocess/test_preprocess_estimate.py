@@ -9,6 +9,7 @@ alone exceed the model's 8192 tokens (1,000 one-pixel PNGs in one item took 4.8 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from app.settings import Settings
 from eg2_runtime.api import Estimate
 from eg2_runtime.engine import Engine
 from eg2_runtime.errors import EG2Error, InputTooLargeError, InputTooLongError
-from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
+from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, Segments, TextPart
+from eg2_runtime.preprocess.preprocessor import Preprocessor
 from tests.support import media
 
 
@@ -142,3 +144,44 @@ def test_unreadable_headers_count_as_the_most_and_leave_the_verdict_to_prepare(e
         [Item((MediaPart(kind, junk),)) for kind in ("image", "audio", "video")], PrepareOptions()
     )
     assert (image, audio, video) == (Estimate(2 + 280 + 2), Estimate(2 + 750 + 2), Estimate(2 + 32 * 72))
+
+
+def test_audio_is_refused_from_its_header_when_decoding_it_would_cost_too_much(engine: Engine) -> None:
+    """A hostile-input audit's clip: 31 s of 8 channels at 384 kHz, a 100 KB FLAC, is 93 million samples
+    to decode (64 in one request took 49 s of CPU), 192 times 30 s of 16 kHz mono: over
+    max_audio_decode_samples from its header, before decoding. Its tokens are still those of 30 s,
+    as for the 31 s stereo clip at 384 kHz under the limit (23 million samples)."""
+    hostile = Item((MediaPart("audio", media.silent_flac(31, 384_000, 8)),))
+    stereo = Item((MediaPart("audio", media.silent_flac(31, 384_000, 2)),))
+    start = time.monotonic()
+    refused, accepted = engine.estimate_many([hostile, stereo], PrepareOptions())
+    took = time.monotonic() - start
+    assert isinstance(refused, InputTooLargeError), refused
+    assert (
+        "30.25 s of 8 channels at 384000 Hz = 92,928,000 samples, more than this server's limit of 24,000,000 (max_audio_decode_samples)"
+        in refused.message
+    ), refused.message
+    assert accepted == Estimate(2 + 750 + 2), accepted
+    assert took < 1.0, f"estimating took {took:.2f} s: something was decoded"
+
+
+def test_audio_with_segments_is_priced_by_all_it_decodes(tiny_bf16: Path) -> None:
+    """With segments the whole file is decoded: its channels x rate x every second, under
+    max_segment_audio_decode_samples (here 10 s of 48 kHz stereo, 960,000 samples, against 900,000),
+    not the single-item limit on its first 30 s (which it passes, or here need not)."""
+    limits = replace(Settings().media_limits(), max_segment_audio_decode_samples=900_000)
+    pre = Preprocessor.from_dir(tiny_bf16, limits=limits)
+    data = media.encode_audio(media.sine(10.0, 48_000, channels=2), 48_000, "flac")
+    with pytest.raises(
+        InputTooLargeError,
+        match=r"= 960,000 samples, more than this server's limit of 900,000 \(max_segment_audio_decode_samples\)",
+    ):
+        pre.estimate(Item((MediaPart("audio", data),), Segments(seconds=2.0)), PrepareOptions())
+    assert pre.estimate(Item((MediaPart("audio", data),)), PrepareOptions()).spans == 0  # no segments: fine
+    roomy = Preprocessor.from_dir(
+        tiny_bf16,
+        limits=replace(limits, max_segment_audio_decode_samples=960_000, max_audio_decode_samples=500_000),
+    )
+    assert (
+        roomy.estimate(Item((MediaPart("audio", data),), Segments(seconds=2.0)), PrepareOptions()).spans == 5
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 
 from app.settings import Settings
 from eg2_runtime.errors import InputTooLargeError, MediaDecodeError
-from eg2_runtime.preprocess.audio import load_audio
+from eg2_runtime.preprocess.audio import load_audio, stream_clips
 from eg2_runtime.preprocess.image import decode_image
 from eg2_runtime.preprocess.video import VideoConfig, decode_video
 from tests.support import media
@@ -155,6 +156,32 @@ def test_wav_header_lying_about_its_length() -> None:
 )
 def test_wav_absurd_format(rate: int, channels: int, match: str) -> None:
     expect(audio(media.wav_header(rate, channels)), MediaDecodeError, match)
+
+
+def test_audio_decode_work_is_bounded_at_the_service_defaults() -> None:
+    """31 s of 8 channels at 384 kHz (100 KB of FLAC, 93 million samples to decode): the decoder
+    stops at max_audio_decode_samples (24 million) whatever a header said or an estimate checked."""
+    expect(audio(media.silent_flac(31, 384_000, 8)), InputTooLargeError, "too costly to decode")
+
+
+@pytest.mark.parametrize("fmt", list(AUDIO))
+def test_audio_decode_work_is_counted_while_decoding(fmt: str) -> None:
+    """Each decoder (libsndfile, PyAV) counts channels x frames as it goes: 1 s of 44.1 kHz stereo
+    (about 88,200 samples) is refused under a 60,000 limit and decoded under 120,000; with segments,
+    the segment limit applies instead."""
+    data = AUDIO[fmt]
+    tight, roomy = 60_000, 120_000
+    refused = bounded(lambda: load_audio(data, limits=replace(LIMITS, max_audio_decode_samples=tight)))
+    expect(refused, InputTooLargeError, "too costly to decode")
+    assert isinstance(load_audio(data, limits=replace(LIMITS, max_audio_decode_samples=roomy))[0], np.ndarray)
+
+    def spans(**limits: int) -> Any:
+        clips = stream_clips(data, seconds=0.5, overlap=0.0, limits=replace(LIMITS, **limits))
+        return bounded(lambda: [clip.whole for clip in clips])
+
+    expect(spans(max_segment_audio_decode_samples=tight), InputTooLargeError, "too costly to decode")
+    wholes = spans(max_audio_decode_samples=tight, max_segment_audio_decode_samples=roomy)
+    assert wholes[-1] and len(wholes) >= 3, wholes  # to the end: its spans, then the item itself
 
 
 def test_video_declaring_a_million_frames() -> None:

@@ -120,6 +120,12 @@ HOSTILE_MEDIA: list[tuple[str, dict[str, Any], int, str]] = [
         400,
         "truncated",
     ),
+    (
+        "flac-8-channels-384-kHz-31-s",  # 100 KB, 93 million samples to decode
+        audio_part(media.silent_flac(31, 384_000, 8), "flac"),
+        413,
+        "too costly to decode",
+    ),
     ("wav-claims-1-GHz", audio_part(media.wav_header(1_000_000_000, 1)), 400, "sample rate"),
     ("wav-claims-1000-channels", audio_part(media.wav_header(16_000, 1000)), 400, "channel"),
     (

@@ -9,6 +9,7 @@ and need real corrupt media instead)."""
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -472,6 +473,21 @@ def test_error_rows(
         assert r.headers["x-request-id"] in error["message"] and PREPARE_BUG not in r.text
 
 
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+@pytest.mark.parametrize("field", ["seconds", "overlap"])
+def test_segment_numbers_must_be_finite(client: httpx.Client, field: str, number: bytes) -> None:
+    """pydantic's JSON parser reads NaN, Infinity and 1e999 (infinity) as floats; the bound checks
+    alone answered "less than or equal to 120" for NaN seconds, which misleads."""
+    values = {"seconds": b"10", "overlap": b"0.1", field: number}
+    content = b'{"input": "x", "segments": {"seconds": %s, "overlap": %s}}' % (
+        values["seconds"],
+        values["overlap"],
+    )
+    r = client.post("/v1/embeddings", content=content, headers={"content-type": "application/json"})
+    error = assert_error(r, 400, "invalid_request_error", f"segments.{field}")
+    assert error["message"] == f"segments.{field}: Input should be a finite number", error
+
+
 def test_other_requests_in_a_batch_survive_errors(client: httpx.Client, ref_engine: Any) -> None:
     """After every error above, the server still answers correctly."""
     r = post(client, {"input": "still fine"})
@@ -483,6 +499,26 @@ def test_non_json_content_type(client: httpx.Client) -> None:
     r = client.post("/v1/embeddings", content=b'{"input": "x"}', headers={"content-type": "text/plain"})
     assert "Content-Type" in assert_error(r, 400, "invalid_request_error")["message"]
     assert client.post("/v1/embeddings", content=b'{"input": "x"}').status_code == 200  # none given: JSON
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate", "GZIP", "identity, gzip", "x-anything"])
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/embeddings", "/tokenize"])
+def test_content_encodings_are_refused(client: httpx.Client, path: str, encoding: str) -> None:
+    """The server decodes no content coding: a body labelled gzip was read as plain JSON (a hostile-input
+    audit). The body here is plain JSON, so only the refusal tells the header was read."""
+    headers = {"content-type": "application/json", "content-encoding": encoding}
+    r = client.post(path, content=b'{"input": "x"}', headers=headers)
+    error = assert_error(r, 415, "invalid_request_error")
+    assert "Content-Encoding" in error["message"] and "uncompressed" in error["message"], error
+    assert r.headers["accept-encoding"] == "identity"
+
+
+def test_a_gzip_body_is_refused_and_identity_is_accepted(client: httpx.Client) -> None:
+    gz = {"content-type": "application/json", "content-encoding": "gzip"}
+    r = client.post("/v1/embeddings", content=gzip.compress(b'{"input": "x"}'), headers=gz)
+    assert "gzip is not supported" in assert_error(r, 415, "invalid_request_error")["message"]
+    plain = {"content-type": "application/json", "content-encoding": "identity"}
+    assert client.post("/v1/embeddings", content=b'{"input": "x"}', headers=plain).status_code == 200
 
 
 def test_unknown_route_and_method(client: httpx.Client) -> None:

@@ -198,6 +198,17 @@ def wav_lying_length(samples: np.ndarray, rate: int, claimed_bytes: int = 0x7FFF
     return data[:4] + struct.pack("<I", claimed_bytes) + data[8:]
 
 
+def silent_flac(seconds: int, rate: int, channels: int) -> bytes:
+    """`seconds` of 16-bit silence as FLAC, written a second at a time: 31 s of 8 channels at 384 kHz is
+    ~100 KB of file and 93 million samples to decode (as one float32 array it would take 381 MB here)."""
+    buf = io.BytesIO()
+    second = np.zeros((rate, channels), dtype=np.int16)
+    with sf.SoundFile(buf, "w", samplerate=rate, channels=channels, format="FLAC", subtype="PCM_16") as f:
+        for _ in range(seconds):
+            f.write(second)
+    return buf.getvalue()
+
+
 def wav_header(rate: int, channels: int, bits: int = 16, data_bytes: int = 1024) -> bytes:
     """A plain PCM WAV header with arbitrary (possibly absurd) rate / channel fields, zeros after."""
     block = channels * bits // 8
