@@ -8,13 +8,14 @@
              media tokens decoded ahead of the GPU stay under their budget); a request's short text
              is tokenized on the event loop instead, where the thread hop would cost more
              └─► per-modality queues of prepared items
-                   └─► scheduler (event loop): oldest first, the first modality whose batch is
-                       ready: full, or nothing of its modality in preprocessing, or its oldest item
-                       waited max_queue_delay (plus max_request_gather while the head's own
-                       request still has media in preprocessing, up to its share); take the
-                       head plus the queued items closest to it in cost, under max_batch_tokens
-                       and max_batch_items. Requests take turns of one batch each (_Queue), so a
-                       request of many batches does not hold up the ones queued behind it
+                   └─► scheduler (event loop): each queue is a line of requests taking turns
+                       (_Queue). Longest-waiting front request first, the first modality whose
+                       batch is ready: full, or nothing of its modality in preprocessing, or its
+                       front request waited max_queue_delay (plus max_request_gather while it
+                       still has media in preprocessing, up to its share); take the front
+                       request's items, then fill from the requests behind it, closest in cost
+                       first, under max_batch_tokens and max_batch_items. A request of many
+                       batches runs one and goes to the back, behind those queued after it
                          └─► GPU thread (exactly one): engine.embed(batch) -> (B, D) rows
 
 An item with segments is a stream (engine.prepare_segments): its file is decoded once, a step of up
@@ -343,17 +344,27 @@ class _Queue:
     """Prepared items of one modality, as a line of requests that take turns.
 
     Each batch is the turn of the request at the front of the line: its items first (its first item
-    plus those closest to it in cost, from its next `window`), then, while the batch has room, the
-    items closest in cost from the `window` items of the requests behind it, in line order. After its
-    turn a request with items left goes to the back of the line; one with none leaves, and its next
-    item joins at the back. So with one item a request this is first-in-first-out; a request of many
-    batches (a long file in segments, a bulk call) runs one batch and then waits for each request
-    queued behind it to run one, so a query that arrives behind 1.8 M tokens waits for about two
-    batches, not all of them. Requests that fit one batch each run as one batch each, in the order
-    they joined, not interleaved in the order their items finished decoding.
+    plus those closest to it in cost, from its next `window`), then, while the batch has room, items
+    of the requests behind it (the next `window` in line order) in rounds: every request's first
+    item, closest in cost to the batch's first item first, then every request's second, and so on.
+    After its turn a request with items left goes to the back of the line; one with none leaves,
+    and its next item joins at the back (so does one emptied by a fill).
 
-    Every operation touches at most `window` items and the requests they belong to, whatever the
-    depth of the queue (drop_dead, run when a request ends, walks the line)."""
+    - Single-item requests: first-in-first-out, grouped by cost within the window, as a plain
+      queue would.
+    - A request of many batches (a long file in segments, a bulk call) runs one batch as the front
+      and then waits behind every request queued after it for its next turn; behind others it
+      fills only what their rounds leave. A query behind 1.8 M tokens waits for about one batch
+      per request ahead of it in line, not for all 1.8 M tokens.
+    - Requests of several items each run within one batch where they fit one (two calls of 8
+      images share a batch of 16), in the order they joined, rather than interleaved in the order
+      their items finished decoding. The cost: where they do not fit together, batches are grouped
+      by cost within each request's turn, so where batches are padded to their longest item
+      (audio), several multi-clip requests of mixed lengths pad more than one cost-sorted stream of
+      all their clips would.
+
+    A batch costs O(window) whatever the depth of the queue (drop_dead, run when a request ends,
+    walks the line)."""
 
     def __init__(self) -> None:
         self.line: OrderedDict[_Request, _Turn] = OrderedDict()  # front first
@@ -370,8 +381,8 @@ class _Queue:
 
     @property
     def since(self) -> float:
-        """When the front request joined the line: its first item's arrival, or the end of its last
-        turn. The queue delay and the choice between modalities count from it."""
+        """When the front request joined the line: its first item's arrival, or when its last turn
+        was taken. The queue delay and the choice between modalities count from it."""
         return next(iter(self.line.values())).since
 
     def append(self, work: _Work) -> None:
@@ -395,8 +406,8 @@ class _Queue:
         """The front request's turn: a batch under both budgets, as the class says."""
         turns = iter(self.line.items())
         front, first = next(turns)
-        looked: list[tuple[_Turn, list[_Work]]] = [(first, list(itertools.islice(first.items, window + 1)))]
-        head = looked[0][1][0]
+        seen = {front: list(itertools.islice(first.items, window + 1))}  # request -> its looked-at prefix
+        head = seen[front][0]
         batch, tokens = [head], head.item.cost
 
         def fill(candidates: list[_Work]) -> None:
@@ -408,21 +419,35 @@ class _Queue:
                     batch.append(work)
                     tokens += work.item.cost
 
-        fill(looked[0][1][1:])
-        others: list[_Work] = []
-        while len(batch) < max_items and len(others) < window and (nxt := next(turns, None)) is not None:
-            seen = list(itertools.islice(nxt[1].items, window - len(others)))
-            looked.append((nxt[1], seen))
-            others += seen
-        fill(others)
+        fill(seen[front][1:])
+        if len(batch) < max_items:  # the requests behind: round i holds each one's i-th item
+            rounds: list[list[_Work]] = [[]]
+            looked = 0
+            for request, turn in turns:
+                if looked >= window:
+                    break
+                if len(turn.items) == 1:  # the common case, kept cheap
+                    rounds[0].append(turn.items[0])
+                    looked += 1
+                    continue
+                prefix = seen[request] = list(itertools.islice(turn.items, window - looked))
+                looked += len(prefix)
+                rounds += [[] for _ in range(len(prefix) - len(rounds))]
+                for i, work in enumerate(prefix):
+                    rounds[i].append(work)
+            for candidates in rounds:
+                if len(batch) == max_items:
+                    break
+                fill(candidates)
 
         taken = {id(w) for w in batch}
-        for turn, seen in looked:  # the looked-at prefix of each turn, less what was taken
-            for _ in seen:
+        for request in dict.fromkeys(w.request for w in batch):  # each prefix, less what was taken
+            turn = self.line[request]
+            prefix = seen.get(request) or [turn.items[0]]
+            for _ in prefix:
                 turn.items.popleft()
-            turn.items.extendleft(reversed([w for w in seen if id(w) not in taken]))
-        for request in {w.request for w in batch} - {front}:
-            if not self.line[request].items:
+            turn.items.extendleft(reversed([w for w in prefix if id(w) not in taken]))
+            if not turn.items and request is not front:
                 del self.line[request]
         if first.items:  # its turn is over: to the back of the line
             self.line.move_to_end(front)
@@ -944,18 +969,18 @@ class Batcher:
                 await asyncio.wait_for(self._wakeup.wait(), min(waits))
 
     def _deadline(self, q: _Queue, tokens: int) -> float:
-        """When the batch that the queue's head starts closes, unless it fills first or nothing more
-        of its modality is in preprocessing: max_queue_delay after the front request joined the line
-        (_Queue.since), and the request gather past that while the head's own request still has media
-        of its modality in preprocessing (a stream's steps are not counted), until the batch holds its share
-        (_share) of the queue and those items.
+        """When the batch that the queue's front request starts closes, unless it fills first or
+        nothing more of its modality is in preprocessing: max_queue_delay after the front request
+        joined the line or had its last turn (_Queue.since), and the request gather past that while
+        that request still has media of its modality in preprocessing (a stream's steps are not
+        counted), until the batch holds its share (_share) of the queue and those items.
 
         A request is answered when its last row is. Its items split over batches as they finish
         decoding cost it a GPU pass each (16 images as ~3 batches of ~6); one batch that waits for
         them costs one pass. A request that needs several batches anyway gathers an even share for
         each (16 clips, 13 to a batch: 8 + 8 as the two decoding waves come, not 13 held for the
         second wave + 3; items decoding one by one: 8 + 8, not 1 + 1 + ...). The gather runs from
-        each batch's head, so a request whose items trickle in (a slow decode, a full media budget)
+        each turn's start, so a request whose items trickle in (a slow decode, a full media budget)
         can cost it once per batch. Other requests' items of the modality wait with it; other
         modalities' ready batches run meanwhile (_next_batch)."""
         head = q.head

@@ -220,6 +220,48 @@ def test_a_request_of_many_batches_does_not_hold_another_modality_behind_it() ->
     assert kinds.index("image") == 1, kinds
 
 
+def test_requests_behind_the_front_fill_its_batch_in_rounds() -> None:
+    """A query, then a bulk request (40 texts of the query's length), then three short queries, 8 to a
+    batch: the short ones fill the first batch beside the bulk request's first items (one item of
+    each request a round), though the bulk items are closer in cost to the query."""
+    engine = FakeEngine()
+    bulk = [words(100, f"b{i}") for i in range(40)]
+    short = [words(3, f"s{i}") for i in range(3)]
+
+    async def body(b: Batcher) -> None:
+        engine.stall()
+        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
+        await until(lambda: len(engine.batches) == 1)
+        tasks = []
+        for texts in ([words(100, "q")], bulk, *([t] for t in short)):
+            tasks.append(asyncio.create_task(b.embed(items(*texts), OPTS)))
+            n = b.queued() + len(texts)
+            await until(lambda n=n: b.queued() == n)  # type: ignore[misc]
+        engine.release()
+        await asyncio.gather(busy, *tasks)
+
+    run(engine, body, max_batch_tokens=100_000, max_batch_items=8)
+    first = {p.inputs[1] for p in engine.batches[1]}
+    assert set(short) <= first, sorted(t.split()[0] for t in first)
+
+
+def test_two_requests_that_fit_one_batch_together_share_it() -> None:
+    """Two requests of 4 images, 8 to a batch: one batch of 8, not a batch each."""
+    engine = SlowMedia()
+
+    async def body(b: Batcher) -> None:
+        engine.stall()
+        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
+        await until(lambda: len(engine.batches) == 1)
+        tasks = [asyncio.create_task(b.embed([image(0.01 * (i + 1))] * 4, OPTS)) for i in range(2)]
+        await until(lambda: b.queued() == 8)
+        engine.release()
+        await asyncio.gather(busy, *tasks)
+
+    run(engine, body, preprocess_workers=8, max_batch_items=8, max_batch_tokens=8 * 284)
+    assert image_batches(engine) == [8]
+
+
 def test_requests_that_fit_a_batch_each_run_in_arrival_order_not_interleaved() -> None:
     """Two requests of 4 images whose decodes finish alternately (A B A B ...), 4 to a batch: each
     request runs as one batch, rather than both waiting for two mixed batches."""
