@@ -288,3 +288,27 @@ def test_the_connection_cap_is_fitted_to_the_descriptor_limit() -> None:
     fits, soft, lowered, reserve = map(int, out.stdout.split())
     assert (fits, soft) == (500, 500 + reserve), out.stdout
     assert lowered == 1024 - reserve, out.stdout
+
+
+def test_a_client_closing_under_pipelined_requests_is_a_disconnect_not_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Three requests pipelined on one connection, closed after the first answer: the second is running
+    when the client goes, and its answer is written to a closed transport (uvicorn marks only the
+    connection's newest request disconnected; uvloop raises). That was logged as an unhandled error
+    with a traceback. It is a client leaving: counted 499, logged at info, and the server serves on."""
+    caplog.set_level(logging.INFO)
+    body = b'{"input": "hello"}'
+    request = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    with live(engine=FakeEngine(embed_delay_s=0.05)) as s:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", _port(s.url)), timeout=5) as sock:
+                sock.sendall(request * 3)
+                assert _status(sock.recv(65536)) == 200
+            time.sleep(0.3)  # the second request runs into the closed connection
+        assert httpx.post(s.url + "/v1/embeddings", json={"input": "after"}).status_code == 200
+        gone = _metric(s.url, "eg2_requests_total", route="/v1/embeddings", status="499")
+    errors = [r for r in caplog.records if r.name.startswith("eg2") and r.levelno >= logging.ERROR]
+    assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
+    assert gone >= 1, "no request was counted as a client gone"
