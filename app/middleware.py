@@ -117,7 +117,12 @@ class RequestContextMiddleware:
         except Exception as exc:
             if gone:  # whatever the app raised on the way out of the failed send
                 status = 499
-                log.info("client gone before its response was written", extra={"request_id": request_id})
+                log.info(
+                    "response not written, the connection is gone: %s: %s",
+                    type(exc).__name__,
+                    exc,
+                    extra={"request_id": request_id},
+                )
                 return
             # A bug: the detail goes to the log under the request id, the client gets a generic 500.
             log.error("unhandled %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id})
