@@ -174,9 +174,12 @@ class GuardedProtocol(HttpToolsProtocol):
     def _close_with(self, status: int, name: str, message: str) -> None:
         if self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
-            self.transport.abort()  # mid-answer to an earlier request: no room for another
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and (cycle.response_started or self.pipeline):
+            self.transport.abort()  # mid-answer to a request, or one queued behind it: no room for another
             return
+        # A request whose body is still arriving (a malformed chunk) has no answer started: this is its
+        # answer, and the app's own is dropped (the cycle is marked disconnected when the socket closes).
         self.transport.write(answer(status, name, message))
         self.transport.close()
 

@@ -312,3 +312,20 @@ def test_a_client_closing_under_pipelined_requests_is_a_disconnect_not_an_error(
     errors = [r for r in caplog.records if r.name.startswith("eg2") and r.levelno >= logging.ERROR]
     assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
     assert gone >= 1, "no request was counted as a client gone"
+
+
+@pytest.mark.parametrize(
+    "chunk", [b"zz\r\nabc\r\n0\r\n\r\n", b"ffffffffffffffffff\r\nabc"], ids=["size-zz", "size-huge"]
+)
+def test_a_malformed_chunked_body_gets_400_with_the_error_body(chunk: bytes) -> None:
+    """The body's framing fails to parse while the app waits for it: the request has no answer yet, so
+    it gets the 400 (the connection was reset with no answer)."""
+    head = b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with live() as s, socket.create_connection(("127.0.0.1", _port(s.url)), timeout=5) as sock:
+        sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n" + chunk)
+        answer = b""
+        while chunk_in := sock.recv(65536):
+            answer += chunk_in
+        assert _status(answer) == 400, answer[:200]
+        assert _error(answer)["type"] == "invalid_request_error"
+        assert httpx.post(s.url + "/v1/embeddings", json={"input": "after"}).status_code == 200
