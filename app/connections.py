@@ -30,10 +30,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 import httptools
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from app.errors import error_body
@@ -142,6 +143,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._reading_headers = True  # the next bytes belong to a request line or headers
         self._header_bytes = 0  # bytes received while reading them (at most one read short)
         self._request_begun = False  # a byte of the current request has arrived
+        self._running: RequestResponseCycle | None = None  # the request whose app task runs now
 
     # --- accept and close -------------------------------------------------------------------------
 
@@ -158,8 +160,16 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         self.tracker.forget(self)
-        if not self._refused:
-            super().connection_lost(exc)
+        if self._refused:
+            return
+        # uvicorn marks only the newest parsed request disconnected. With requests pipelined, the one
+        # running can be an older one: marked too, its app hears the disconnect (the embeddings route
+        # cancels its work) and its answer is not written to the closed transport.
+        running = self._running
+        if running is not None and running is not self.cycle and not running.response_complete:
+            running.disconnected = True
+            running.message_event.set()
+        super().connection_lost(exc)
 
     def evict(self) -> None:
         """Closed to make room for a new connection (this one has no request in flight)."""
@@ -175,13 +185,24 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and (cycle.response_started or self.pipeline):
-            self.transport.abort()  # mid-answer to a request, or one queued behind it: no room for another
-            return
-        # A request whose body is still arriving (a malformed chunk) has no answer started: this is its
-        # answer, and the app's own is dropped (the cycle is marked disconnected when the socket closes).
+        if cycle is not None and not cycle.response_complete:
+            if cycle.response_started or self.pipeline or self._reading_headers:
+                # Mid-answer to a request, or a request still running or queued while the bytes that
+                # failed are a later request's: an answer here would be taken for that request's.
+                self.transport.abort()
+                return
+            # The request's own body failed (a malformed chunk), before any answer: this is its answer.
+            # Its app hears the disconnect now and writes nothing after it (uvloop takes writes after
+            # close() until the buffer drains).
+            cycle.disconnected = True
+            cycle.message_event.set()
         self.transport.write(answer(status, name, message))
         self.transport.close()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        """uvicorn's, remembering which request's app task runs (connection_lost)."""
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     # --- bytes in ---------------------------------------------------------------------------------
 

@@ -93,37 +93,17 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         start = time.monotonic()
         status = 0
-        gone = False  # the connection closed under the response: the rest of it goes nowhere
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status, gone
-            if gone:
-                return
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 MutableHeaders(scope=message)["x-request-id"] = request_id
-            try:
-                await send(message)
-            except Exception:
-                # The server could not write it: its connection is closed. uvicorn marks only the
-                # connection's newest request disconnected, so a pipelined request running when the
-                # client closes writes to a closed transport (uvloop raises RuntimeError). Nothing is
-                # wrong with the app: the response is dropped, as uvicorn drops a disconnected one.
-                gone = True
-                raise
+            await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
         except Exception as exc:
-            if gone:  # whatever the app raised on the way out of the failed send
-                status = 499
-                log.info(
-                    "response not written, the connection is gone: %s: %s",
-                    type(exc).__name__,
-                    exc,
-                    extra={"request_id": request_id},
-                )
-                return
             # A bug: the detail goes to the log under the request id, the client gets a generic 500.
             log.error("unhandled %s", type(exc).__name__, exc_info=exc, extra={"request_id": request_id})
             if status == 0:
