@@ -85,6 +85,33 @@ async def until(predicate: Callable[[], bool], timeout: float = 5) -> None:
         await asyncio.sleep(0.005)
 
 
+async def hold_the_gpu(b: Batcher, engine: FakeEngine) -> asyncio.Task[Embedded]:
+    """Stall the engine on a first batch: the scheduler waits on it, so whatever is sent next is
+    queued before any of its batches forms, whatever the timing of the preprocess threads."""
+    engine.stall()
+    busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
+    await until(lambda: len(engine.batches) == 1)
+    return busy
+
+
+async def queue_then_run(
+    b: Batcher, engine: FakeEngine, *requests: list[Item], one_by_one: bool = True
+) -> None:
+    """With the GPU held, send `requests`: one by one, each wholly queued before the next is sent (so
+    they join the line in this order), or all at once; then let the GPU go and wait for every answer."""
+    busy = await hold_the_gpu(b, engine)
+    tasks = []
+    for request in requests:
+        n = b.queued() + len(request)
+        tasks.append(asyncio.create_task(b.embed(request, OPTS)))
+        if one_by_one:
+            await until(lambda n=n: b.queued() == n)  # type: ignore[misc]
+    total = sum(map(len, requests))
+    await until(lambda: b.queued() == total)
+    engine.release()
+    await asyncio.gather(busy, *tasks)
+
+
 def settled(b: Batcher, engine: FakeEngine, n: int) -> Callable[[], bool]:
     """All n items prepared and either queued or handed to the (stalled) engine."""
     return lambda: b.queued() + sum(len(x) for x in engine.batches) == n
@@ -128,15 +155,7 @@ def test_groups_items_of_similar_cost() -> None:
     interleaved = [t for pair in zip(short, long, strict=True) for t in pair]
 
     async def body(b: Batcher) -> None:
-        engine.stall()
-        # Occupy the (stalled) GPU first: the scheduler waits on that batch, so every item below is
-        # queued before any of their batches is formed, whatever the timing of the preprocess threads.
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
-        tasks = [asyncio.create_task(b.embed(items(t), OPTS)) for t in interleaved]
-        await until(lambda: b.queued() == len(interleaved))
-        engine.release()
-        await asyncio.gather(busy, *tasks)
+        await queue_then_run(b, engine, *(items(t) for t in interleaved), one_by_one=False)
 
     run(engine, body, max_batch_tokens=5000, max_batch_items=8)
     batches = engine.batches[1:]
@@ -152,15 +171,7 @@ def test_a_request_of_many_batches_takes_turns_with_the_ones_behind_it() -> None
     big = [words(100, f"b{i}") for i in range(40)]
 
     async def body(b: Batcher) -> None:
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
-        bulk = asyncio.create_task(b.embed(items(*big), OPTS))
-        await until(lambda: b.queued() == len(big))
-        query = asyncio.create_task(b.embed(items("a short query"), OPTS))
-        await until(lambda: b.queued() == len(big) + 1)
-        engine.release()
-        await asyncio.gather(busy, bulk, query)
+        await queue_then_run(b, engine, items(*big), items("a short query"))
 
     run(engine, body, max_batch_tokens=1000, max_batch_items=8)
     texts = [[p.inputs[1] for p in batch] for batch in engine.batches[1:]]
@@ -178,17 +189,7 @@ def test_the_request_in_front_runs_its_turn_and_the_others_fill_what_is_left() -
     eight = [words(n, f"e{i}") for i, n in enumerate([3, 200, 7, 150, 5, 90, 120, 60])]
 
     async def body(b: Batcher) -> None:
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
-        tasks = []
-        for texts in (bulk, eight, ["a short query"]):
-            tasks.append(asyncio.create_task(b.embed(items(*texts), OPTS)))
-            n = len(texts)
-            await until(lambda n=n: b.queued() >= n)  # type: ignore[misc]
-        await until(lambda: b.queued() == 49)
-        engine.release()
-        await asyncio.gather(busy, *tasks)
+        await queue_then_run(b, engine, items(*bulk), items(*eight), items("a short query"))
 
     run(engine, body, max_batch_tokens=100_000, max_batch_items=8)
     batches = [[p.inputs[1] for p in batch] for batch in engine.batches[1:]]
@@ -205,15 +206,7 @@ def test_a_request_of_many_batches_does_not_hold_another_modality_behind_it() ->
     bulk = [words(100, f"b{i}") for i in range(40)]
 
     async def body(b: Batcher) -> None:
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
-        text = asyncio.create_task(b.embed(items(*bulk), OPTS))
-        await until(lambda: b.queued() == len(bulk))
-        picture = asyncio.create_task(b.embed([image(0.0)], OPTS))
-        await until(lambda: b.queued() == len(bulk) + 1)
-        engine.release()
-        await asyncio.gather(busy, text, picture)
+        await queue_then_run(b, engine, items(*bulk), [image(0.0)])
 
     run(engine, body, max_batch_tokens=1000, max_batch_items=8)
     kinds = [batch[0].modality for batch in engine.batches[1:]]
@@ -229,16 +222,7 @@ def test_requests_behind_the_front_fill_its_batch_in_rounds() -> None:
     short = [words(3, f"s{i}") for i in range(3)]
 
     async def body(b: Batcher) -> None:
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
-        tasks = []
-        for texts in ([words(100, "q")], bulk, *([t] for t in short)):
-            tasks.append(asyncio.create_task(b.embed(items(*texts), OPTS)))
-            n = b.queued() + len(texts)
-            await until(lambda n=n: b.queued() == n)  # type: ignore[misc]
-        engine.release()
-        await asyncio.gather(busy, *tasks)
+        await queue_then_run(b, engine, items(words(100, "q")), items(*bulk), *(items(t) for t in short))
 
     run(engine, body, max_batch_tokens=100_000, max_batch_items=8)
     first = {p.inputs[1] for p in engine.batches[1]}
@@ -250,13 +234,7 @@ def test_two_requests_that_fit_one_batch_together_share_it() -> None:
     engine = SlowMedia()
 
     async def body(b: Batcher) -> None:
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
-        tasks = [asyncio.create_task(b.embed([image(0.01 * (i + 1))] * 4, OPTS)) for i in range(2)]
-        await until(lambda: b.queued() == 8)
-        engine.release()
-        await asyncio.gather(busy, *tasks)
+        await queue_then_run(b, engine, *([image(0.01 * (i + 1))] * 4 for i in range(2)), one_by_one=False)
 
     run(engine, body, preprocess_workers=8, max_batch_items=8, max_batch_tokens=8 * 284)
     assert image_batches(engine) == [8]
@@ -270,13 +248,7 @@ def test_requests_that_fit_a_batch_each_run_in_arrival_order_not_interleaved() -
     second = [image(0.04 + 0.04 * i) for i in range(4)]
 
     async def body(b: Batcher) -> None:
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
-        tasks = [asyncio.create_task(b.embed(first, OPTS)), asyncio.create_task(b.embed(second, OPTS))]
-        await until(lambda: b.queued() == 8)
-        engine.release()
-        await asyncio.gather(busy, *tasks)
+        await queue_then_run(b, engine, first, second, one_by_one=False)
 
     run(engine, body, preprocess_workers=8, max_batch_items=4, max_batch_tokens=4 * 284)
     seeds = [{engine.seed_of(x, OPTS.prompt) for x in request} for request in (first, second)]
@@ -662,9 +634,7 @@ def test_dead_requests_are_dropped_before_the_gpu() -> None:
 
     async def body(b: Batcher) -> None:
         b._metrics = metrics
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
+        busy = await hold_the_gpu(b, engine)
         doomed = asyncio.create_task(b.embed(items("doomed 1", "doomed 2", "doomed 3"), OPTS))
         kept = asyncio.create_task(b.embed(items("kept"), OPTS))
         await until(lambda: b.queued() == 4)
@@ -945,9 +915,7 @@ def test_segments_join_the_batches_as_ordinary_items() -> None:
     text = " ".join(f"w{i}" for i in range(150))
 
     async def body(b: Batcher) -> tuple[Embedded, Embedded]:
-        engine.stall()
-        busy = asyncio.create_task(b.embed(items("occupies the gpu"), OPTS))
-        await until(lambda: len(engine.batches) == 1)
+        busy = await hold_the_gpu(b, engine)
         long = asyncio.create_task(b.embed([Item((TextPart(text),), SEG)], OPTS))
         other = asyncio.create_task(b.embed(items("another request"), OPTS))
         await until(lambda: b.queued() == 5)
