@@ -154,8 +154,7 @@ class Settings(BaseSettings):
         description="How long the next batch's first request (the front of its modality's line: the "
         "longest-waiting request, or the one whose last turn is oldest) may wait, while the GPU is idle, "
         "for items of its modality still in preprocessing (a burst of requests), so they share its batch. "
-        "With none on the "
-        "way its batch runs at once. Larger: fuller batches from bursts, at up to that much added latency; "
+        "With none on the way its batch runs at once. Larger: fuller batches from bursts, at up to that much added latency; "
         "0 never waits.",
     )
     max_request_gather_ms: float = Field(
@@ -165,9 +164,9 @@ class Settings(BaseSettings):
         description="How much longer than max_queue_delay_ms a batch waits for the media of its first "
         "request still in preprocessing, so that a call's images or clips run as one GPU "
         "batch rather than as the waves they finish decoding in (docs/PERF.md measures it, on and off); "
-        "a request that needs several batches gathers an even share for each. It counts "
-        "from when that request joined its line or had its last turn, and ends when the queue holds the batch's share (other "
-        "requests' items queued count toward it), when the batch fills, or at this limit. Items still "
+        "a request that needs several batches gathers an even share for each. It counts from when that "
+        "request joined its line or had its last turn, and ends when the queue holds the batch's share "
+        "(other requests' items queued count toward it), when the batch fills, or at this limit. Items still "
         "decoding are sized by their header estimates (an item's text at one token per character). "
         "Larger: bigger requests gathered whole; the cost is up to that long with the GPU idle for "
         "that modality, while other requests' items of it wait in the same batch (other modalities' "
