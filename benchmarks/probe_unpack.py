@@ -1,7 +1,8 @@
 """Probe (GPU): packed towers against BF16 ones, by how the Unpacker's unpacks are scheduled.
 
     python -m benchmarks.probe_unpack --out DIR [--ahead 1,2,3] [--priority] [--main-priority]
-                                      [--block-words 128,2048] [--repeat N] [--trace] [--seconds S]
+                                      [--block-words 128,2048] [--per-slot 0,1] [--repeat N] [--trace]
+                                      [--seconds S]
     python -m benchmarks.probe_unpack --out /tmp/pu --device cpu --size tiny --seconds 0.1   # dry run
 
 For `eg2 bench`'s packed / BF16 cells on the media rows. Each variant runs in its own process, booted
@@ -23,6 +24,8 @@ captured on. `--block-words` runs the unpack kernel with that many int32 words a
 that many times, alternated, BF16 included. `--trace` profiles five forwards of image/b8, video/b1
 and audio_short/b1 per variant and sums their kernels' device time by kind (kernel_summary): whether
 a packed forward loses its time to slower matmuls beside the unpacks or to the unpacks themselves.
+`--per-slot` runs ahead 1 with unpack groups of at most that many times the largest layer's weights
+(loader.LAYERS_PER_SLOT; 0: one launch a layer).
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 
@@ -57,7 +60,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("block_words"):
         from eg2_runtime import unpack_triton
 
-        unpack_triton.BLOCK_WORDS = spec["block_words"]  # read by dequantize_into at each launch
+        unpack_triton.BLOCK_WORDS = spec["block_words"]  # read by dequantize_run at each launch
+    if spec.get("per_slot") is not None:
+        from eg2_runtime import loader
+
+        loader.LAYERS_PER_SLOT = spec["per_slot"]  # read by unpack_groups as the engine loads
     options = EngineOptions(gpu_memory_budget=spec["budget"], unpack_ahead=spec["ahead"])
     engine = Engine.from_dir(spec["model_dir"], device=spec["device"], options=options)
     graphs = 0
@@ -82,6 +89,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "graphs_at_start": graphs,
         "tower_graphs": sorted(str(k) for k in towers.graphs) if towers is not None else [],
         "unpack_scratch_mib": (engine.model.unpacker.scratch_bytes / 2**20) if engine.model.unpacker else 0,
+        "unpack_launches": engine.model.unpacker.launches() if engine.model.unpacker else 0,
         "memory": engine.memory(),
         "rows": rows,
         "torch": torch.__version__,
@@ -178,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "--main-priority", action="store_true", help="also run ahead 1 with high-priority tower kernels"
     )
     ap.add_argument("--block-words", default="", help="also run ahead 1 with these kernel block sizes")
+    ap.add_argument("--per-slot", default="", help="also run ahead 1 with these unpack group caps")
     ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times [1]")
     ap.add_argument("--trace", action="store_true", help="sum each traced row's kernels by kind")
     ap.add_argument("--seconds", type=float, default=1.0, help="time box of each cell's timed rounds [1]")
@@ -208,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             one["w4 main-priority"] = {"model_dir": w4, "priority": "capture"}
         for words in filter(None, args.block_words.split(",")):
             one[f"w4 block {words}"] = {"model_dir": w4, "block_words": int(words)}
+        for per_slot in filter(None, args.per_slot.split(",")):
+            one[f"w4 per-slot {per_slot}"] = {"model_dir": w4, "per_slot": int(per_slot)}
         budget = matched_budget(bf16, w4) if args.device == "cuda" else None
         one["bf16"] = {"model_dir": bf16, "budget": budget}
         variants = {

@@ -22,7 +22,16 @@ from eg2_runtime.config import ModelConfig
 from eg2_runtime.errors import CheckpointError
 from eg2_runtime.layers import ClippableLinear, MergedWeight, end_to_end
 from eg2_runtime.model import EG2Model
-from eg2_runtime.quant import PACK, PACKED_TOWERS, PackedLinear, Unpacker, pack_linears, replace_module
+from eg2_runtime.quant import (
+    PACK,
+    PACKED_TOWERS,
+    PackedLinear,
+    Unpacker,
+    end_to_end_flat,
+    lay_out_end_to_end,
+    pack_linears,
+    replace_module,
+)
 from eg2_runtime.text import MERGING
 
 log = logging.getLogger(__name__)
@@ -181,13 +190,20 @@ def load_model(
 
     # Weights some modules hold merged (text attention's q, k, v; a plain MLP's gate and up) are laid
     # end to end on the host as their group completes (one layer's projections at a time) and moved
-    # to the device once, so the device never holds them twice.
+    # to the device once, so the device never holds them twice. So are the codes, and the scales, of
+    # each unpack group of packed layers (flat: their rows differ in length), which one launch reads.
     groups: dict[str, tuple[torch.nn.Module, str, list[str]]] = {}  # module.attr -> (module, attr, names)
     for prefix, module in model.named_modules():
         if isinstance(module, MERGING):
             for attr, linears in module.merges().items():
                 groups[f"{prefix}.{attr}"] = (module, attr, [f"{prefix}.{n}.weight" for n in linears])
+    unpacking = unpack_groups(model)
+    flat: dict[str, list[str]] = {}  # group key -> the stored names laid end to end, flat
+    for i, names in enumerate(g for g in unpacking if len(g) > 1):
+        for suffix in ("weight_packed", "weight_scale"):
+            flat[f"unpack group {i}.{suffix}"] = [f"{n}.{suffix}" for n in names]
     group_of = {name: key for key, (_, _, names) in groups.items() for name in names}
+    group_of |= {name: key for key, names in flat.items() for name in names}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     merged: dict[str, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
@@ -210,10 +226,13 @@ def load_model(
                 continue
             key = group_of[name]
             parts = pending.setdefault(key, {})
-            parts[name] = t.to(dtype=cdtype)
-            names = groups[key][2]
+            parts[name] = t if keep else t.to(dtype=cdtype)
+            names = flat[key] if key in flat else groups[key][2]
             if len(parts) == len(names):
-                merged[key], views = end_to_end([parts[n] for n in names], dev)
+                lay_out = end_to_end_flat if key in flat else end_to_end
+                whole, views = lay_out([parts[n] for n in names], dev)
+                if key in groups:
+                    merged[key] = whole
                 state.update(zip(names, views, strict=True))
                 del pending[key]
     except Exception as e:  # safetensors raises its own error types on corrupt data
@@ -231,6 +250,10 @@ def load_model(
     if pack:
         with torch.no_grad():
             pack_linears(model, group_size)
+            unpacking = unpack_groups(model)
+            for names in unpacking:  # packed only now: laid out on the device
+                layers = [model.get_submodule(n) for n in names]
+                lay_out_end_to_end([m for m in layers if isinstance(m, PackedLinear)])
     model.eval().requires_grad_(False)
     for module in model.modules():
         if isinstance(module, ClippableLinear):
@@ -240,9 +263,51 @@ def load_model(
     if table.device.type != dev.type:
         report.host_bytes, report.resident_bytes = table.nbytes, report.resident_bytes - table.nbytes
     if unpack_hooks:
-        model.unpacker = Unpacker.attach(model, cdtype, unpack_ahead)
+        model.unpacker = Unpacker.attach(model, cdtype, unpack_ahead, unpacking)
     log.info("loaded %s: %s", model_dir.name, report.summary())
     return model, report
+
+
+# A group holds at most this many times the largest packed layer's weights (its slot's size). Two
+# puts an MLP's gate and up (audio: both feed-forward halves) in one launch: on an H100 that halved
+# the unpacks' device time against one launch a layer (docs/PERF.md), for 16 MiB more scratch.
+# 0: one launch a layer.
+LAYERS_PER_SLOT = 2
+
+
+def unpack_groups(model: torch.nn.Module, per_slot: int | None = None) -> list[list[str]]:
+    """The names of the packed layers, in the groups one launch unpacks.
+
+    A group is a run of packed layers of one owner module (an attention, an MLP, a feed-forward
+    half: the nearest ancestor that is not a ClippableLinear wrapper), in registration order, with
+    one group size, and at most `per_slot` (LAYERS_PER_SLOT) times the largest layer's weights. An
+    owner's forward runs its layers back to back with no other packed layer between them, which is
+    what lets a group's slot be reused once the next group starts (Unpacker).
+    """
+    per_slot = LAYERS_PER_SLOT if per_slot is None else per_slot
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+    if not layers:
+        return []
+    cap = per_slot * max(m.in_features * m.out_features for _, m in layers)
+    groups: list[list[str]] = []
+    key: tuple[str, int] | None = None
+    size = 0
+    for name, m in layers:
+        numel = m.in_features * m.out_features
+        this = (_owner(model, name), m.group_size)
+        if this != key or size + numel > cap:
+            groups.append([])
+            key, size = this, 0
+        groups[-1].append(name)
+        size += numel
+    return groups
+
+
+def _owner(model: torch.nn.Module, name: str) -> str:
+    parent = name.rpartition(".")[0]
+    while parent and isinstance(model.get_submodule(parent), ClippableLinear):
+        parent = parent.rpartition(".")[0]
+    return parent
 
 
 def _loaded(model: EG2Model, name: str) -> bool:

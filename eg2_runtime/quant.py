@@ -148,68 +148,142 @@ def pack_linears(model: nn.Module, group_size: int) -> int:
     return len(names)
 
 
+# ---- a group's codes and scales end to end ------------------------------------------------
+
+
+def end_to_end_flat(
+    parts: list[torch.Tensor], device: torch.device | str
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Tensors of any shapes -> their elements end to end, flat, on `device`, and each part as a view
+    of it: a group's codes (or scales) laid out so one launch reads them as one run."""
+    flat = torch.cat([p.reshape(-1) for p in parts]).to(device)
+    views, start = [], 0
+    for p in parts:
+        views.append(flat[start : start + p.numel()].view(p.shape))
+        start += p.numel()
+    return flat, views
+
+
+def lay_out_end_to_end(layers: list[PackedLinear]) -> None:
+    """Give a group's layers codes and scales that lie end to end, on their device (a group packed
+    after loading; the loader lays out a stored group's as it reads them)."""
+    if len(layers) < 2:
+        return
+    for attr in ("weight_packed", "weight_scale"):
+        _, views = end_to_end_flat([getattr(m, attr) for m in layers], getattr(layers[0], attr).device)
+        for m, view in zip(layers, views, strict=True):
+            setattr(m, attr, view)
+
+
+def flat_run(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over `tensors` if they lie end to end, in order, in one storage (as the loader
+    lays out a group's codes and scales); else None."""
+    first = tensors[0]
+    total = sum(t.numel() for t in tensors)
+    base = first.untyped_storage().data_ptr()
+    at = first.data_ptr()
+    for t in tensors:
+        if (
+            not t.is_contiguous()
+            or t.dtype != first.dtype
+            or t.untyped_storage().data_ptr() != base
+            or t.data_ptr() != at
+        ):
+            return None
+        at += t.numel() * t.element_size()
+    return first.as_strided((total,), (1,))
+
+
 # ---- the side-stream unpacker ----------------------------------------------------------------
 
 
 class Unpacker:
     """Provides each PackedLinear's dense weight just before it runs, from reused scratch buffers.
 
-    Built with the packed layers it serves; forward hooks on them do the work. On CUDA there are
-    `ahead + 1` scratch slots, each as large as the largest packed layer, used as a ring: while layer
-    i computes from slot s, layers i + 1 .. i + ahead are unpacked (or being unpacked) into slots
-    s + 1 .. s + ahead on a side stream. When layer i starts:
-        main:  wait(ready[s]) -> record started -> matmul(i)
+    Built with the packed layers it serves, in groups (unpack_groups); forward hooks on them do the
+    work. The unit of unpacking is a group: its layers' weights land end to end in one scratch slot,
+    by one kernel launch where the loader laid the group's codes and scales out end to end (else a
+    launch a layer). On CUDA there are `ahead + 1` slots, each as large as the largest group, used as
+    a ring: while group i runs from slot s, groups i + 1 .. i + ahead are unpacked (or being unpacked)
+    into slots s + 1 .. s + ahead on a side stream. When group i starts (the first of its layers is
+    called):
+        main:  wait(ready[s]) -> record started -> matmuls of group i's layers
         side:  wait(started) -> unpack(i + ahead) into slot s + ahead (= s - 1) -> record ready[s - 1]
-    `started` also means layer i - 1, the last reader of slot s - 1, has finished (one main stream, in
-    order), so a slot is never overwritten while read. Prefetching more than one layer ahead hides
-    the unpacks behind runs of short layers (q, k, v of one attention block back to back at batch 1),
-    where one layer's matmul is shorter than the next one's unpack. Which layer follows which is
-    learned from the calls themselves (next_of), so it holds for any tower's execution order; a wrong
-    guess costs time (the guessed unpacks still run, ahead of the one needed), never correctness. Prefetching stops at a layer that began a
-    forward (the first after a join or a capture's start): a captured graph would otherwise unpack,
-    at its end, layers only the next forward reads, and join them before it returns.
+    `started` also means group i - 1, the last reader of slot s - 1, has finished (one main stream, in
+    order), so a slot is never overwritten while read. A layer of the running group reads its slot
+    with no further wait; any other layer starts its group again, so a group called out of its order
+    is unpacked again, never read stale. Prefetching more than one group ahead hides the unpacks
+    behind runs of short groups. Which group follows which is learned from the calls themselves
+    (next_of), so it holds for any tower's execution order; a wrong guess costs time (the guessed
+    unpacks still run, ahead of the one needed), never correctness. Prefetching stops at a group
+    that began a forward (the first after a join or a capture's start): a captured graph would
+    otherwise unpack, at its end, groups only the next forward reads, and join them before it returns.
 
     The CUDA events are made once and re-recorded: a wait binds to the record before it. The main
     stream is looked up by the first packed layer after construction, a `join` or the start of a
     capture (the capture stream), and kept until the next: the engine runs every eager forward on
     one stream and joins before each graph replay, and a capture's warm-up, on a stream of its own,
     runs inside `capturing` too (graphs.capture_graph).
-    On CPU the unpack is synchronous and there is no scratch: the weight lives for one forward.
+    On CPU the unpack is synchronous, a layer at a time, and there is no scratch: the weight lives
+    for one forward.
     """
 
-    def __init__(self, layers: list[PackedLinear], dtype: torch.dtype, ahead: int = 1) -> None:
+    def __init__(self, groups: list[list[PackedLinear]], dtype: torch.dtype, ahead: int = 1) -> None:
         if ahead < 1:
             raise ValueError(f"ahead must be at least 1, not {ahead}")
         self.dtype = dtype
-        self.layers = layers
+        self.groups = [list(g) for g in groups if g]
+        self.layers = [m for g in self.groups for m in g]
         self.ahead = ahead
-        self.next_of: dict[PackedLinear, PackedLinear] = {}
-        self.starts: set[PackedLinear] = set()  # layers that began a forward: prefetching stops there
-        self.prev: PackedLinear | None = None
-        self.handles = [h for m in layers for h in self._hook(m)]
-        device = layers[0].weight_packed.device if layers else torch.device("cpu")
+        self.group_of = {m: i for i, g in enumerate(self.groups) for m in g}
+        self.offset: dict[PackedLinear, int] = {}  # a layer's first element in its group's slot
+        for g in self.groups:
+            at = 0
+            for m in g:
+                self.offset[m] = at
+                at += m.in_features * m.out_features
+        # Each group's codes and scales as one flat run each, where they lie end to end: one launch.
+        self.runs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for g in self.groups:
+            words = flat_run([m.weight_packed for m in g])
+            scales = flat_run([m.weight_scale for m in g])
+            one_size = len({m.group_size for m in g}) == 1
+            self.runs.append(
+                (words, scales) if words is not None and scales is not None and one_size else None
+            )
+        self.next_of: dict[int, int] = {}
+        self.starts: set[int] = set()  # groups that began a forward: prefetching stops there
+        self.prev: int | None = None  # the group that started last
+        self.handles = [h for m in self.layers for h in self._hook(m)]
+        device = self.layers[0].weight_packed.device if self.layers else torch.device("cpu")
         self.cuda = device.type == "cuda"
         self.scratch_bytes = 0
         if self.cuda:
-            numel = max(m.in_features * m.out_features for m in layers)
+            numel = max(sum(m.in_features * m.out_features for m in g) for g in self.groups)
             self.scratch = [torch.empty(numel, dtype=dtype, device=device) for _ in range(ahead + 1)]
             self.scratch_bytes = len(self.scratch) * numel * self.scratch[0].element_size()
             self.stream = side_stream(device, "unpack")  # not from torch's pools: see streams.py
             self.main: torch.cuda.Stream | None = None  # the stream the towers run on
-            self.ready = [torch.cuda.Event() for _ in self.scratch]  # scratch[slot] holds its layer
-            self.started = torch.cuda.Event()  # the main stream reached the layer that started last
+            self.ready = [torch.cuda.Event() for _ in self.scratch]  # scratch[slot] holds its group
+            self.started = torch.cuda.Event()  # the main stream reached the group that started last
             self.any_started = False  # `started` was recorded since the last join
-            # Layers unpacked ahead, oldest first, with their slots: always slot + 1, slot + 2, ...
-            self.pending: deque[tuple[PackedLinear, int]] = deque()
-            self.slot = 0  # the slot of the layer that started last
+            # Groups unpacked ahead, oldest first, with their slots: always slot + 1, slot + 2, ...
+            self.pending: deque[tuple[int, int]] = deque()
+            self.slot = 0  # the slot of the group that started last
             # The fused Triton kernel writes BF16 in place; any other dtype takes the reference.
-            self.fast = _triton_dequantize_into() if dtype == torch.bfloat16 else None
+            self.fast = _triton_dequantize_run() if dtype == torch.bfloat16 else None
 
     @classmethod
-    def attach(cls, model: nn.Module, dtype: torch.dtype, ahead: int = 1) -> Unpacker | None:
-        """An Unpacker for every PackedLinear of `model`, or None if it has none."""
-        layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-        return cls(layers, dtype, ahead) if layers else None
+    def attach(
+        cls, model: nn.Module, dtype: torch.dtype, ahead: int = 1, groups: list[list[str]] | None = None
+    ) -> Unpacker | None:
+        """An Unpacker for every PackedLinear of `model`, or None if it has none. `groups`: the packed
+        layers' names in unpack groups (loader.unpack_groups); None: a group a layer."""
+        if groups is None:
+            groups = [[n] for n, m in model.named_modules() if isinstance(m, PackedLinear)]
+        layers = [[model.get_submodule(n) for n in g] for g in groups]
+        packed = [[m for m in g if isinstance(m, PackedLinear)] for g in layers]
+        return cls(packed, dtype, ahead) if any(packed) else None
 
     def _hook(self, m: PackedLinear) -> tuple[object, object]:
         return m.register_forward_pre_hook(self._before), m.register_forward_hook(self._after)
@@ -218,9 +292,13 @@ class Unpacker:
         for h in self.handles:
             h.remove()  # type: ignore[attr-defined]
 
+    def launches(self) -> int:
+        """Kernel launches a pass over every group takes (one per group laid out end to end)."""
+        return sum(1 if run is not None else len(g) for g, run in zip(self.groups, self.runs, strict=True))
+
     def _view(self, layer: PackedLinear, slot: int) -> torch.Tensor:
-        n = layer.out_features * layer.in_features
-        return self.scratch[slot][:n].view(layer.out_features, layer.in_features)
+        at, n = self.offset[layer], layer.out_features * layer.in_features
+        return self.scratch[slot][at : at + n].view(layer.out_features, layer.in_features)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -252,9 +330,9 @@ class Unpacker:
             self.pending.clear()
         self.any_started = False
 
-    def _unpack_async(self, layer: PackedLinear, slot: int) -> None:
-        """Enqueue the unpack of `layer` into scratch[slot] on the side stream, then record
-        ready[slot]; after `started` (or, with no layer started since a capture or join, after
+    def _unpack_async(self, group: int, slot: int) -> None:
+        """Enqueue the unpack of `group` into scratch[slot] on the side stream, then record
+        ready[slot]; after `started` (or, with no group started since a capture or join, after
         everything the main stream has queued)."""
         assert self.main is not None
         with torch.cuda.stream(self.stream):
@@ -262,38 +340,52 @@ class Unpacker:
                 self.stream.wait_event(self.started)
             else:
                 self.stream.wait_stream(self.main)
-            view = self._view(layer, slot)
+            layers, run = self.groups[group], self.runs[group]
             if self.fast is not None:
                 try:
-                    self.fast(layer.weight_packed, layer.weight_scale, view)
+                    if run is not None:  # (words,) int32 and (words / 16,) bf16 -> (8 words,) bf16
+                        words, scales = run
+                        self.fast(words, scales, self.scratch[slot][: words.numel() * PACK])
+                    else:
+                        for m in layers:
+                            self.fast(
+                                m.weight_packed.view(-1),
+                                m.weight_scale.view(-1),
+                                self._view(m, slot).view(-1),
+                            )
                 except Exception as e:  # e.g. no C compiler for Triton's launcher: keep serving
                     log.warning("fused unpack kernel unavailable (%s); using the reference unpack", e)
                     self.fast = None
             if self.fast is None:
-                view.copy_(layer.dequantize())
+                for m in layers:
+                    self._view(m, slot).copy_(m.dequantize())
             self.ready[slot].record(self.stream)
 
     def _before(self, layer: nn.Module, args: object) -> None:
         assert isinstance(layer, PackedLinear)
-        if self.prev is not None and self.prev is not layer:
-            self.next_of[self.prev] = layer
-        self.prev = layer
         if not self.cuda:
             layer.unpacked = layer.dequantize().to(self.dtype)
             return
+        group = self.group_of[layer]
+        if self.any_started and group == self.prev:  # the running group: its slot is ready
+            layer.unpacked = self._view(layer, self.slot)
+            return
+        if self.prev is not None and self.prev != group:
+            self.next_of[self.prev] = group
+        self.prev = group
         if not self.any_started:
             self.main = torch.cuda.current_stream()
-            self.starts.add(layer)
+            self.starts.add(group)
         ring = len(self.scratch)
-        if self.pending and self.pending[0][0] is layer:
+        if self.pending and self.pending[0][0] == group:
             _, slot = self.pending.popleft()
         else:
             # First call, or a wrong guess: drop the guesses (their unpacks still run, earlier on the
             # side stream, so this one's write lands last) and unpack into the slot after the running
-            # layer's: after `started`, the running layer is the only reader left on the main stream.
+            # group's: after `started`, the running group is the only reader left on the main stream.
             self.pending.clear()
             slot = (self.slot + 1) % ring
-            self._unpack_async(layer, slot)
+            self._unpack_async(group, slot)
         main = self.main
         assert main is not None
         main.wait_event(self.ready[slot])
@@ -301,7 +393,7 @@ class Unpacker:
         self.any_started = True
         self.slot = slot
         layer.unpacked = self._view(layer, slot)
-        last = self.pending[-1][0] if self.pending else layer
+        last = self.pending[-1][0] if self.pending else group
         while len(self.pending) < self.ahead:
             nxt = self.next_of.get(last)
             if nxt is None or nxt in self.starts:
@@ -316,10 +408,10 @@ class Unpacker:
         layer.unpacked = None
 
 
-def _triton_dequantize_into():
+def _triton_dequantize_run():
     """The fused unpack kernel, or None where Triton is missing (the reference path then runs)."""
     try:
-        from eg2_runtime.unpack_triton import dequantize_into
+        from eg2_runtime.unpack_triton import dequantize_run
     except ImportError:
         return None
-    return dequantize_into
+    return dequantize_run

@@ -53,8 +53,29 @@ def dequantize_into(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
         raise ValueError(f"out must be a contiguous bf16 ({rows}, {words * PACK}) tensor")
     if words % groups or not packed.is_contiguous() or not scale.is_contiguous():
         raise ValueError("packed and scale must be contiguous, with whole groups of words per row")
-    total = rows * words
+    dequantize_run(packed.view(-1), scale.view(-1), out.view(-1))
+    return out
+
+
+def dequantize_run(words: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """One launch over a flat run: (N,) int32 words, (N / w,) bf16 scales, one per w consecutive
+    words, -> (8 N,) bf16 `out`. Layers laid end to end, each a whole number of scale groups of the
+    same size, are such a run: their weights land end to end in `out`. Returns `out`."""
+    if words.dim() != 1 or scales.dim() != 1 or out.dim() != 1:
+        raise ValueError("words, scales and out must be flat")
+    total = words.numel()
+    if not scales.numel() or total % scales.numel():
+        raise ValueError(f"{scales.numel()} scales do not split {total} words into equal groups")
+    if out.dtype != torch.bfloat16 or out.numel() != total * PACK:
+        raise ValueError(f"out must be {total * PACK} bf16 elements")
+    if not (words.is_contiguous() and scales.is_contiguous() and out.is_contiguous()):
+        raise ValueError("words, scales and out must be contiguous")
     _dequant_kernel[(triton.cdiv(total, BLOCK_WORDS),)](
-        packed, scale, out.view(torch.int16), total, WORDS_PER_GROUP=words // groups, BLOCK=BLOCK_WORDS
+        words,
+        scales,
+        out.view(torch.int16),
+        total,
+        WORDS_PER_GROUP=total // scales.numel(),
+        BLOCK=BLOCK_WORDS,
     )
     return out

@@ -172,10 +172,12 @@ def test_unpack_overlaps_matmuls(full: dict[str, Path], results: Path | None) ->
 
 
 def test_triton_unpack_bit_identical_on_every_layer(full: dict[str, Path], results: Path | None) -> None:
+    """The fused kernel against the reference: on each layer alone, and on each unpack group in the
+    one launch the Unpacker gives it (its layers' weights end to end, as they land in a slot)."""
     from eg2_runtime.quant import PackedLinear
-    from eg2_runtime.unpack_triton import dequantize_into
+    from eg2_runtime.unpack_triton import dequantize_into, dequantize_run
 
-    model, _ = load_model(full["w4"], "cuda", unpack_hooks=False)
+    model, _ = load_model(full["w4"], "cuda")
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     mismatched = [
         i
@@ -189,8 +191,25 @@ def test_triton_unpack_bit_identical_on_every_layer(full: dict[str, Path], resul
             m.dequantize(),
         )
     ]
-    record(results, "gpu_triton_unpack", {"layers": len(layers), "mismatched": len(mismatched)})
+    unpacker = model.unpacker
+    assert unpacker is not None
+    groups_mismatched = []
+    for i, (group, run) in enumerate(zip(unpacker.groups, unpacker.runs, strict=True)):
+        assert run is not None, f"group {i} is not laid out end to end: a launch a layer"
+        words, scales = run
+        out = torch.empty(words.numel() * 8, dtype=torch.bfloat16, device="cuda")
+        if not torch.equal(
+            dequantize_run(words, scales, out), torch.cat([m.dequantize().view(-1) for m in group])
+        ):
+            groups_mismatched.append(i)
+    record(
+        results,
+        "gpu_triton_unpack",
+        {"layers": len(layers), "mismatched": len(mismatched), "groups": len(unpacker.groups),
+         "groups_mismatched": len(groups_mismatched), "scratch_mib": unpacker.scratch_bytes / 2**20},
+    )  # fmt: skip
     assert len(layers) == 247 and not mismatched
+    assert not groups_mismatched and len(unpacker.groups) < len(layers)
 
 
 # ---- the engine's fast paths against its reference paths ---------------------------------------

@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from eg2_runtime.quant import dequantize, quantize
-    from eg2_runtime.unpack_triton import dequantize_into
+    from eg2_runtime.quant import end_to_end_flat
+    from eg2_runtime.unpack_triton import dequantize_into, dequantize_run
 
     gen = torch.Generator().manual_seed(0)
     # Each group size; (33, 256, 64) ends in a partial block of the kernel's 512 words.
@@ -29,6 +30,15 @@ SCRIPT = textwrap.dedent(
         dequantize_into(packed, scale, out)
         ref = dequantize(packed, scale)
         assert torch.equal(out, ref), (rows, cols, group, (out.float() - ref.float()).abs().max())
+    # One launch over a group laid end to end (rows of different lengths, one group size): each
+    # layer's weight lands at its place in the run, equal to its own reference.
+    layers = [quantize(torch.randn(r, c, generator=gen), 32) for r, c in [(64, 96), (96, 64), (8, 256)]]
+    words, _ = end_to_end_flat([p for p, _ in layers], "cpu")
+    scales, _ = end_to_end_flat([s for _, s in layers], "cpu")
+    out = torch.full((words.numel() * 8,), float("nan"), dtype=torch.bfloat16)
+    dequantize_run(words, scales, out)
+    ref = torch.cat([dequantize(p, s).view(-1) for p, s in layers])
+    assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
     # The kernel reads words and scales as flat runs: a strided input is refused, not misread.
     packed, scale = quantize(torch.randn(16, 256, generator=gen), 64)
     out = torch.empty(16, 256, dtype=torch.bfloat16)
