@@ -75,6 +75,8 @@ def test_the_default_puts_an_mlps_gate_and_up_together() -> None:
     assert [n.split(".")[-2] for n in mlp] == ["gate_proj", "up_proj", "down_proj"]
     ff = next(g for g in audio if ".feed_forward1." in g[0])
     assert [n.split(".")[-2] for n in ff] == ["ffw_layer_1", "ffw_layer_2"]
+    # The slot (docs/FORMAT.md): both feed-forward halves, 2 x 1024 x 4096 BF16 weights, 16 MiB.
+    assert max(sum(_numel(model, n) for n in g) for g in groups) * 2 == 16 * 2**20
 
 
 def test_groups_stop_where_the_group_size_changes() -> None:
