@@ -17,9 +17,10 @@ host itself. Three parts, from the tiny demo checkpoint (its preprocessing is th
 3. `video_loop`: the 8-frame video's decode loop as `preprocess.video.decode_video` runs it (decode,
    rgb24, resize each frame to its patch size) with torch on one thread, as in a worker: FFmpeg's
    decoder threads (1, 2, 4, its default) and threading kind (slice, frame), with each frame's rgb24
-   and resize inline or on a helper thread (the change in question), alternated; every variant's
-   frames are checked equal to `decode_video`'s. It runs alone on an idle host, as one video
-   request does; under load the workers share the cores and extra threads buy less.
+   and resize by the product's `_Converter`, inline or on its helper thread; and `decode_video` itself
+   both ways (the helper is its default, the server's path), alternated. Every variant's frames are
+   checked equal to `decode_video(helper=False)`'s, the reference. It runs alone on an idle host, as
+   one video request does; under load the workers share the cores and extra threads buy less.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from eg2_runtime import samples
 from eg2_runtime.engine import Engine, wrap_prepared
 from eg2_runtime.inputs import Item, MediaKind, MediaPart, PrepareOptions
 from eg2_runtime.preprocess.image import target_size
-from eg2_runtime.preprocess.video import _resized, decode_video
+from eg2_runtime.preprocess.video import _Converter, decode_video
 
 VIDEO = (8, 640, 480)  # frames at 1 fps, width, height: the bench's named video
 WAIT_S = 60.0  # a result later than this is a stuck worker: fail, not hang the host's session
@@ -125,14 +126,8 @@ def sixteen_images(procs: pp.PrepareProcesses, rounds: int) -> dict[str, Any]:
 def decode_loop(
     data: bytes, size: tuple[int, int], threads: int | None, kind: str, helper: bool
 ) -> np.ndarray:
-    """decode_video's loop on a 1-fps clip (every frame sampled), its knobs exposed."""
+    """decode_video's loop on a 1-fps clip (every frame sampled), the decoder's threads exposed."""
     import av
-    from av.video.reformatter import VideoReformatter
-
-    to_rgb = VideoReformatter()
-
-    def convert(frame: Any) -> np.ndarray:
-        return _resized(to_rgb.reformat(frame, format="rgb24").to_ndarray(), size)
 
     container: Any
     with av.open(io.BytesIO(data)) as container:
@@ -140,11 +135,11 @@ def decode_loop(
         stream.thread_type = kind
         if threads is not None:
             stream.codec_context.thread_count = threads
-        if not helper:
-            return np.stack([convert(frame) for frame in container.decode(stream)])
-        with ThreadPoolExecutor(1) as side:
-            futures = [side.submit(convert, frame) for frame in container.decode(stream)]
-            return np.stack([f.result() for f in futures])
+        width, height = stream.codec_context.width, stream.codec_context.height
+        with _Converter(width, height, size, helper=helper) as converter:
+            for i, frame in enumerate(container.decode(stream)):
+                converter.submit(i, frame)
+    return np.stack(list(converter.frames.values()))
 
 
 def video_loop(data: bytes, engine: Engine, rounds: int) -> dict[str, Any]:
@@ -158,7 +153,13 @@ def video_loop(data: bytes, engine: Engine, rounds: int) -> dict[str, Any]:
             for helper in (False, True):
                 name = f"{kind.lower()} threads={threads or 'default'}{' helper' if helper else ''}"
                 variants[name] = functools.partial(decode_loop, data, size, threads, kind, helper)
-    reference = decode_video(data, pre.video_config, pre.limits, geometry=pre.geometry).frames
+
+    def served(helper: bool) -> np.ndarray:
+        return decode_video(data, pre.video_config, pre.limits, geometry=pre.geometry, helper=helper).frames
+
+    variants["decode_video"] = functools.partial(served, False)
+    variants["decode_video helper"] = functools.partial(served, True)
+    reference = served(False)
     assert len(reference) == frames
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(rounds + 1):
