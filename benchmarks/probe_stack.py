@@ -47,7 +47,7 @@ def paths(model: Any) -> dict[str, Callable[[], Any]]:
     if unpacker is not None and unpacker.fast is not None:
         layer = next(m for m in model.modules() if isinstance(m, PackedLinear))
         out["dequant kernel"] = lambda: unpacker.fast(
-            layer.weight_packed, layer.weight_scale, unpacker._view(layer, 0)
+            layer.weight_packed.view(-1), layer.weight_scale.view(-1), unpacker._view(layer, 0).view(-1)
         )
     if model.vision_tower is not None:
         cfg = model.vision_tower.cfg

@@ -151,9 +151,9 @@ class EngineOptions:
     # CUDA graphs for the vision and audio towers (tower_graphs.py), with the text graphs: one image
     # 82 -> 12 ms, one 9.3 s clip 122 -> 8.4 ms (H200, packed, benchmarks/probe_memory_media.py).
     tower_graphs: bool = True
-    # Packed tower layers the Unpacker unpacks ahead of the one running (quant.Unpacker), each in a
-    # scratch slot as large as the largest packed layer (8 MiB on the full checkpoint), taken from
-    # the graph pool at the same budget. More could hide unpacks behind runs of short matmuls; on the
+    # Unpack groups the Unpacker unpacks ahead of the one running (quant.Unpacker), each in a scratch
+    # slot as large as the largest group (loader.LAYERS_PER_SLOT: 8 MiB on the full checkpoint),
+    # taken from the graph pool at the same budget. More could hide unpacks behind runs of short matmuls; on the
     # H200 two measured within one's run-to-run spread and three cost the pool its 30 s clip and
     # video graphs (docs/PERF.md, benchmarks/probe_unpack.py).
     unpack_ahead: int = 1

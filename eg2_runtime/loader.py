@@ -142,7 +142,7 @@ def load_model(
     `modalities`: the towers to load; None loads every tower the checkpoint has.
     `pack`: quantize a BF16 checkpoint's tower Linears at load time (already-packed layers stay).
     `unpack_hooks`: attach the side-stream Unpacker; without it packed layers dequantize on the fly.
-    `unpack_ahead`: the layers it unpacks ahead of the running one (quant.Unpacker).
+    `unpack_ahead`: the unpack groups it unpacks ahead of the running one (quant.Unpacker).
     `table_on_host`: on CUDA, the token table loads into host memory and stays there until the
     caller places it (TextEncoder.keep_table_on_host, keep_table_on_device). The engine places it
     only once it has measured the base; loaded to the GPU first, the table's 256 MiB would join the
@@ -268,11 +268,13 @@ def load_model(
     return model, report
 
 
-# A group holds at most this many times the largest packed layer's weights (its slot's size). Two
-# puts an MLP's gate and up (audio: both feed-forward halves) in one launch: on an H100 that halved
-# the unpacks' device time against one launch a layer (docs/PERF.md), for 16 MiB more scratch.
-# 0: one launch a layer.
-LAYERS_PER_SLOT = 2
+# A group holds at most this many times the largest packed layer's weights: the size of a scratch
+# slot. One keeps the slots of one launch a layer (two of 8 MiB on the full model) and puts an
+# attention's q, k, v and o in one launch (65 vision launches a forward instead of 113). Two also puts
+# a vision MLP's gate, up and down in one, and an audio feed-forward half's two layers (33): on an
+# H100 that halved the unpacks' device time, for 16 MiB more scratch, which takes the packed model
+# past 0.56x of BF16's memory after load (docs/PERF.md). 0: one launch a layer.
+LAYERS_PER_SLOT = 1
 
 
 def unpack_groups(model: torch.nn.Module, per_slot: int | None = None) -> list[list[str]]:

@@ -73,7 +73,7 @@ class EG2Model(nn.Module):
                 raise ValueError("audio was asked for, but the checkpoint has no audio_config")
             self.audio_tower = AudioTower(config.audio)
             self.embed_audio = MultimodalEmbedder(config.audio.output_proj_dims, h, config.audio.rms_norm_eps)
-        # Unpacks the packed towers' weights layer by layer (quant.Unpacker); set by the loader.
+        # Unpacks the packed towers' weights a group of layers at a time (quant.Unpacker); set by the loader.
         self.unpacker: Unpacker | None = None
         self.modalities = frozenset(
             {"text"}

@@ -8,8 +8,9 @@ Format (int4, group-wise, symmetric), per Linear of out x in:
     weight_shape   int64 (2,)            (out, in)
     weight = q * scale, q in [-8, 7], rounded once to bf16.
 
-`dequantize` is the pure-torch reference. `Unpacker` is the fast path: forward hooks unpack each
-layer into reused scratch buffers on a side CUDA stream, layers ahead, ordered by CUDA events.
+`dequantize` is the pure-torch reference. `Unpacker` is the fast path: forward hooks unpack the
+layers a group at a time (one launch each) into reused scratch buffers on a side CUDA stream, groups
+ahead, ordered by CUDA events.
 """
 
 from __future__ import annotations
@@ -253,7 +254,11 @@ class Unpacker:
             )
         self.next_of: dict[int, int] = {}
         self.starts: set[int] = set()  # groups that began a forward: prefetching stops there
-        self.prev: int | None = None  # the group that started last
+        self.prev: int | None = None  # the group called last: next_of learns from it
+        # The group whose unpack the main stream waited for, in `slot`: its layers read it as is. Set
+        # only once that wait is queued, so a start that raised leaves no group reading a slot it
+        # never filled.
+        self.running: int | None = None
         self.handles = [h for m in self.layers for h in self._hook(m)]
         device = self.layers[0].weight_packed.device if self.layers else torch.device("cpu")
         self.cuda = device.type == "cuda"
@@ -343,7 +348,7 @@ class Unpacker:
             layers, run = self.groups[group], self.runs[group]
             if self.fast is not None:
                 try:
-                    if run is not None:  # (words,) int32 and (words / 16,) bf16 -> (8 words,) bf16
+                    if run is not None:  # (W,) int32 words, (W / words a scale group,) bf16 -> (8 W,) bf16
                         words, scales = run
                         self.fast(words, scales, self.scratch[slot][: words.numel() * PACK])
                     else:
@@ -367,7 +372,7 @@ class Unpacker:
             layer.unpacked = layer.dequantize().to(self.dtype)
             return
         group = self.group_of[layer]
-        if self.any_started and group == self.prev:  # the running group: its slot is ready
+        if self.any_started and group == self.running:  # its slot is ready: the main stream waited
             layer.unpacked = self._view(layer, self.slot)
             return
         if self.prev is not None and self.prev != group:
@@ -391,7 +396,7 @@ class Unpacker:
         main.wait_event(self.ready[slot])
         self.started.record(main)
         self.any_started = True
-        self.slot = slot
+        self.slot, self.running = slot, group
         layer.unpacked = self._view(layer, slot)
         last = self.pending[-1][0] if self.pending else group
         while len(self.pending) < self.ahead:

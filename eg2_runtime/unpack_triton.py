@@ -16,7 +16,8 @@ import triton.language as tl
 from eg2_runtime.quant import PACK
 
 # Words per program: 4,096 BF16 outputs (8 KiB) each, so the towers' layers (0.6-4.2 M weights) are
-# 144-1,024 programs, where one program a row per 128 words made 768-4,096 programs of 1-2 KiB.
+# 144-1,024 programs and their unpack groups (up to 8.4 M) up to 2,048, where one program a row per
+# 128 words made 768-4,096 programs of 1-2 KiB a layer.
 BLOCK_WORDS = 512
 
 

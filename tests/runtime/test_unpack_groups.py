@@ -62,21 +62,32 @@ def test_groups_cover_every_layer_in_order_within_one_owner_and_the_cap(per_slot
         assert all(len(g) == 1 for g in groups)
 
 
-def test_the_default_puts_an_mlps_gate_and_up_together() -> None:
-    """Two layers a slot on the full-size towers: a vision block in two launches (attention; MLP), an
-    audio block in four (each feed-forward half, the attention, the light conv)."""
-    assert LAYERS_PER_SLOT == 2
+@pytest.mark.parametrize(
+    ("per_slot", "vision", "audio", "slot_mib"),
+    [
+        # The default: an attention's q, k, v and o in one launch; the slot of one launch a layer.
+        (1, 1 + 16 * 4, 2 + 12 * 7, 8),
+        # A vision block in two launches (attention; MLP), an audio block in four (each feed-forward
+        # half, the attention, the light conv): 2 x 1024 x 4096 BF16 weights a slot.
+        (2, 1 + 16 * 2, 2 + 12 * 4, 16),
+    ],
+)
+def test_groups_of_the_full_towers(per_slot: int, vision: int, audio: int, slot_mib: int) -> None:
+    """The figures docs/FORMAT.md and loader.LAYERS_PER_SLOT give."""
     model = _packed_on_meta("full")
-    groups = unpack_groups(model)
-    vision = [g for g in groups if g[0].startswith("vision_tower")]
-    audio = [g for g in groups if g[0].startswith("audio_tower")]
-    assert len(vision) == 1 + 16 * 2 and len(audio) == 2 + 12 * 4, (len(vision), len(audio))
-    mlp = next(g for g in vision if ".mlp." in g[0])
-    assert [n.split(".")[-2] for n in mlp] == ["gate_proj", "up_proj", "down_proj"]
-    ff = next(g for g in audio if ".feed_forward1." in g[0])
-    assert [n.split(".")[-2] for n in ff] == ["ffw_layer_1", "ffw_layer_2"]
-    # The slot (docs/FORMAT.md): both feed-forward halves, 2 x 1024 x 4096 BF16 weights, 16 MiB.
-    assert max(sum(_numel(model, n) for n in g) for g in groups) * 2 == 16 * 2**20
+    groups = unpack_groups(model, per_slot)
+    assert sum(g[0].startswith("vision_tower") for g in groups) == vision
+    assert sum(g[0].startswith("audio_tower") for g in groups) == audio
+    assert max(sum(_numel(model, n) for n in g) for g in groups) * 2 == slot_mib * 2**20
+    attention = next(g for g in groups if ".self_attn." in g[0] and g[0].startswith("vision_tower"))
+    assert [n.split(".")[-2] for n in attention] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if per_slot == 2:
+        mlp = next(g for g in groups if ".mlp." in g[0])
+        assert [n.split(".")[-2] for n in mlp] == ["gate_proj", "up_proj", "down_proj"]
+
+
+def test_the_default_keeps_the_scratch_of_one_launch_a_layer() -> None:
+    assert LAYERS_PER_SLOT == 1, "docs/FORMAT.md and the GPU weight-memory bound assume one"
 
 
 def test_groups_stop_where_the_group_size_changes() -> None:
@@ -121,11 +132,36 @@ def test_the_loader_lays_each_group_end_to_end_with_the_stored_values(tiny_w4: P
         )
 
 
-def test_packing_at_load_lays_out_the_same_groups(tiny_bf16: Path) -> None:
-    model, _ = load_model(tiny_bf16, "cpu", pack=True, group_size=32)
-    assert model.unpacker is not None
-    assert model.unpacker.launches() == len(model.unpacker.groups)
-    assert any(len(g) > 1 for g in model.unpacker.groups)
+def test_packing_at_load_lays_out_the_same_groups(tiny_bf16: Path, tiny_w4: Path) -> None:
+    packed_at_load, _ = load_model(tiny_bf16, "cpu", pack=True, group_size=32)
+    from_file, _ = load_model(tiny_w4, "cpu")
+    a, b = packed_at_load.unpacker, from_file.unpacker
+    assert a is not None and b is not None
+    names = lambda m, u: [[n for n, x in m.named_modules() if x in g] for g in u.groups]  # noqa: E731
+    assert names(packed_at_load, a) == names(from_file, b)
+    assert a.launches() == len(a.groups), "a group packed at load is not laid out end to end"
+    for ra, rb in zip(a.runs, b.runs, strict=True):
+        assert ra is not None and rb is not None
+        assert torch.equal(ra[0], rb[0]) and torch.equal(ra[1], rb[1])
+
+
+def test_the_run_kernel_refuses_what_it_would_misread() -> None:
+    pytest.importorskip("triton")
+    from eg2_runtime.unpack_triton import dequantize_run
+
+    words, scales = torch.zeros(64, dtype=torch.int32), torch.zeros(4, dtype=torch.bfloat16)
+    out = torch.empty(512, dtype=torch.bfloat16)
+    bad = {
+        "2-D words": (words.view(8, 8), scales, out),
+        "scales that do not split the words": (words, torch.zeros(5, dtype=torch.bfloat16), out),
+        "out of another size": (words, scales, torch.empty(256, dtype=torch.bfloat16)),
+        "out not bf16": (words, scales, torch.empty(512)),
+        "strided words": (torch.zeros(128, dtype=torch.int32)[::2], scales, out),
+    }
+    for case, args in bad.items():
+        with pytest.raises(ValueError):
+            dequantize_run(*args)
+            pytest.fail(f"{case} was accepted")
 
 
 def test_flat_run_needs_the_parts_end_to_end_in_order() -> None:
