@@ -340,6 +340,15 @@ class Unpacker:
         ready[slot]; after `started` (or, with no group started since a capture or join, after
         everything the main stream has queued)."""
         assert self.main is not None
+        try:
+            self._enqueue_unpack(group, slot)
+        except BaseException:
+            # What the side stream queued that no wait will cover (this group's first layers, the
+            # guesses just dropped) comes before the main stream's next work, a graph replay's too.
+            self.main.wait_stream(self.stream)
+            raise
+
+    def _enqueue_unpack(self, group: int, slot: int) -> None:
         with torch.cuda.stream(self.stream):
             if self.any_started:
                 self.stream.wait_event(self.started)
