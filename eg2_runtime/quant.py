@@ -349,6 +349,7 @@ class Unpacker:
             raise
 
     def _enqueue_unpack(self, group: int, slot: int) -> None:
+        assert self.main is not None
         with torch.cuda.stream(self.stream):
             if self.any_started:
                 self.stream.wait_event(self.started)

@@ -48,8 +48,8 @@ from eg2_runtime.preprocess.limits import reason
 
 _FORMATS = {containers.MP4, containers.MATROSKA}  # mp4 / mov / m4v, and mkv / webm
 # Sampled frames waiting for the helper thread, beside the one it converts: each a decoded frame
-# (4K yuv420p: 12 MB). Two keep the decoder from waiting on a slow conversion without letting a
-# fast decoder pile frames up.
+# (4K: 12 MB in 8-bit 4:2:0, up to 50 MB in 10-bit 4:4:4). Two keep the decoder from waiting on a
+# slow conversion without letting a fast decoder pile frames up.
 _CONVERT_AHEAD = 2
 
 
@@ -135,6 +135,7 @@ def decode_video(
                 decoded = 0  # pixels decoded so far: frames may be larger than the declared size
                 for i, frame in enumerate(container.decode(stream)):
                     check_cancel(cancel)
+                    converter.check()  # a frame's conversion failed: decode no further
                     if i > last:
                         break
                     decoded = _check_frame(frame, decoded, limits)
@@ -184,7 +185,8 @@ class _Converter:
         # every frame (an 8-frame clip: 15.4 -> 3.0 ms on the dev machine). Same pixels.
         self._to_rgb, self._rescale = VideoReformatter(), VideoReformatter()
         self.frames: dict[int, np.ndarray] = {}
-        self._error: BaseException | None = None  # the helper's first; it converts nothing after it
+        self._error: BaseException | None = None  # the helper's first, until raised in the caller
+        self._failed = False  # a conversion raised: the helper converts nothing after it
         self._drop = False  # set before the stop: drop the frames still waiting
         self._jobs: queue.Queue[tuple[int, Any] | None] | None = None
         self._thread: threading.Thread | None = None
@@ -192,7 +194,10 @@ class _Converter:
             self._jobs = queue.Queue(maxsize=_CONVERT_AHEAD)
             # daemon: never holds up the interpreter's exit; `__exit__` joins it in every case.
             self._thread = threading.Thread(target=self._work, name="eg2-video-convert", daemon=True)
-            self._thread.start()
+            try:
+                self._thread.start()
+            except RuntimeError:  # no thread to be had (a process at its limit): convert inline
+                self._jobs = self._thread = None
 
     def convert(self, frame: Any) -> np.ndarray:
         """One frame, on the calling thread (the reference; the helper runs this too)."""
@@ -207,18 +212,25 @@ class _Converter:
         if self._jobs is None:
             self.frames[index] = self.convert(frame)
             return
-        self._raise_error()
+        self.check()
         self._jobs.put((index, frame))  # blocks while _CONVERT_AHEAD wait
 
     def settle(self) -> None:
         """Return once every frame submitted is in `frames`; raise the helper's error, if any."""
         if self._jobs is not None:
             self._jobs.join()
-            self._raise_error()
+            self.check()
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def check(self) -> None:
+        """Raise the helper's error, once. The converter lets go of it (the error's traceback holds the
+        helper's frame, which holds the converter: kept, they would wait for the cyclic collector
+        with the request's bytes and frames)."""
+        error, self._error = self._error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None
 
     def _work(self) -> None:
         assert self._jobs is not None
@@ -227,10 +239,10 @@ class _Converter:
             try:
                 if job is None:
                     return
-                if self._error is None and not self._drop:
+                if not self._failed and not self._drop:
                     self.frames[job[0]] = self.convert(job[1])
             except BaseException as e:  # raised in the caller, mapped there as inline
-                self._error = e
+                self._error, self._failed = e, True
             finally:
                 job = None  # the decoded frame is not held while waiting for the next
                 self._jobs.task_done()
@@ -249,8 +261,10 @@ class _Converter:
         self._drop = kind is not None and (issubclass(kind, Cancelled) or not issubclass(kind, Exception))
         self._jobs.put(None)
         self._thread.join()
-        if not self._drop and self._error is not None and self._error is not error:
-            raise self._error
+        if self._drop or self._error is error:
+            self._error = None
+        else:
+            self.check()
 
 
 @dataclass(frozen=True)
@@ -322,6 +336,7 @@ def decode_spans(
                 decoded = 0
                 for i, frame in enumerate(container.decode(stream)):
                     check_cancel(cancel)
+                    converter.check()  # a frame's conversion failed: decode no further
                     if i > last:
                         break
                     decoded = _check_frame(frame, decoded, limits)
