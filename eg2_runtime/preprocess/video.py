@@ -132,15 +132,8 @@ def decode_video(
             check_decode_cost(meta, last, limits)
             size = None if geometry is None else target_size(meta.height, meta.width, config.budget, geometry)
             with _Converter(meta.width, meta.height, size, helper=helper) as converter:
-                decoded = 0  # pixels decoded so far: frames may be larger than the declared size
-                for i, frame in enumerate(container.decode(stream)):
-                    check_cancel(cancel)
-                    converter.check()  # a frame's conversion failed: decode no further
-                    if i > last:
-                        break
-                    decoded = _check_frame(frame, decoded, limits)
-                    if i in keep:
-                        converter.submit(i, frame)
+                for _ in _decode_sampled(container, stream, keep, last, limits, converter, cancel):
+                    pass
             indices = list(converter.frames)  # decode order
             frames = list(converter.frames.values())
     except (MediaDecodeError, InputTooLargeError, Cancelled):
@@ -158,6 +151,30 @@ def decode_video(
             param="input",
         )
     return SampledVideo(np.stack(frames), indices, [i / meta.fps for i in indices], meta)
+
+
+def _decode_sampled(
+    container: Any,
+    stream: Any,
+    wanted: set[int],
+    last: int,
+    limits: MediaLimits,
+    converter: _Converter,
+    cancel: Event | None,
+) -> Iterator[int]:
+    """Decode frames 0..`last` in decode order, each checked (cancel, a failed conversion, its size and
+    the pixels decoded so far), and hand the `wanted` ones to `converter`; yields each frame's index
+    once it is handed over (a span ending there may then settle the converter)."""
+    decoded = 0  # pixels decoded so far: frames may be larger than the declared size
+    for i, frame in enumerate(container.decode(stream)):
+        check_cancel(cancel)
+        converter.check()  # a frame's conversion failed: decode no further
+        if i > last:
+            return
+        decoded = _check_frame(frame, decoded, limits)
+        if i in wanted:
+            converter.submit(i, frame)
+        yield i
 
 
 class _Converter:
@@ -333,15 +350,7 @@ def decode_spans(
             size = None if geometry is None else target_size(meta.height, meta.width, config.budget, geometry)
             todo = list(plans)
             with _Converter(meta.width, meta.height, size, helper=helper) as converter:
-                decoded = 0
-                for i, frame in enumerate(container.decode(stream)):
-                    check_cancel(cancel)
-                    converter.check()  # a frame's conversion failed: decode no further
-                    if i > last:
-                        break
-                    decoded = _check_frame(frame, decoded, limits)
-                    if i in wanted:
-                        converter.submit(i, frame)
+                for i in _decode_sampled(container, stream, wanted, last, limits, converter, cancel):
                     if todo and todo[0].indices[-1] <= i:
                         converter.settle()  # the span's last frame, converted
                     while todo and todo[0].indices[-1] <= i:

@@ -24,6 +24,7 @@ import pytest
 
 from app.settings import Settings
 from eg2_runtime.errors import Cancelled, InputTooLargeError, MediaDecodeError
+from eg2_runtime.inputs import MediaLimits
 from eg2_runtime.preprocess import video as video_module
 from eg2_runtime.preprocess.image import PatchGeometry
 from eg2_runtime.preprocess.video import SampledVideo, VideoConfig, decode_spans, decode_video
@@ -51,6 +52,21 @@ def no_thread_left() -> Iterator[None]:
     yield
     left = set(threading.enumerate()) - before
     assert not left, f"threads left running: {left}"
+
+
+def decode(
+    data: bytes,
+    spans: bool,
+    limits: MediaLimits = LIMITS,
+    *,
+    helper: bool,
+    cancel: threading.Event | None = None,
+) -> None:
+    """The clip through decode_video, or through decode_spans (5 s spans) to its end."""
+    if spans:
+        list(decode_spans(data, CONFIG, limits, seconds=5, overlap=0, cancel=cancel, helper=helper))
+    else:
+        decode_video(data, CONFIG, limits, cancel=cancel, helper=helper)
 
 
 def assert_same(got: SampledVideo, want: SampledVideo) -> None:
@@ -176,18 +192,15 @@ def test_a_conversion_error_is_the_inline_error(
     data = media.encode_video(20, 1, size=(64, 96))
     slow.delay, slow.fail_at, slow.error = 0.005, 3, error
 
-    def decode(helper: bool) -> Exception:
+    def failure(helper: bool) -> Exception:
         with pytest.raises(expected) as raised:
-            if spans:
-                list(decode_spans(data, CONFIG, LIMITS, seconds=5, overlap=0, helper=helper))
-            else:
-                decode_video(data, CONFIG, LIMITS, helper=helper)
+            decode(data, spans, helper=helper)
         assert raised.value.__cause__ is error
         return raised.value
 
-    inline = decode(False)
+    inline = failure(False)
     with no_thread_left():
-        helped = decode(True)
+        helped = failure(True)
     assert type(helped) is type(inline) and str(helped) == str(inline)
     assert slow.last.converted == [0, 1, 2, 3]  # nothing converted after the error
 
@@ -204,17 +217,14 @@ def test_the_earliest_frames_error_wins_as_inline(slow: type[SlowConverter], spa
         decode_video(data, CONFIG, limits, helper=False)
     slow.delay, slow.fail_at, slow.error = 0.05, 2, RuntimeError("frame 2 failed")
 
-    def decode(helper: bool) -> Exception:
+    def failure(helper: bool) -> Exception:
         with pytest.raises(MediaDecodeError) as raised:
-            if spans:
-                list(decode_spans(data, CONFIG, limits, seconds=5, overlap=0, helper=helper))
-            else:
-                decode_video(data, CONFIG, limits, helper=helper)
+            decode(data, spans, limits, helper=helper)
         return raised.value
 
-    inline = decode(False)
+    inline = failure(False)
     with no_thread_left():
-        helped = decode(True)
+        helped = failure(True)
     assert str(helped) == str(inline) == "could not decode video: frame 2 failed"
 
 
@@ -227,10 +237,7 @@ def test_cancel_while_frames_wait(slow: type[SlowConverter], spans: bool) -> Non
     slow.cancel, slow.cancel_at = cancel, 3
     start = time.monotonic()
     with no_thread_left(), pytest.raises(Cancelled):
-        if spans:
-            list(decode_spans(data, CONFIG, LIMITS, seconds=5, overlap=0, cancel=cancel, helper=True))
-        else:
-            decode_video(data, CONFIG, LIMITS, cancel=cancel, helper=True)
+        decode(data, spans, cancel=cancel, helper=True)
     took = time.monotonic() - start
     # frame 3's, and the one the helper took before the decoder saw the flag; the waiting ones dropped
     assert len(slow.last.converted) <= 5, slow.last.converted
@@ -260,13 +267,8 @@ def test_a_failed_conversion_lets_go_of_the_converter(slow: type[SlowConverter],
     try:
         for _ in range(2):
             slow.error = MemoryError()  # a fresh one each time: the class holds it
-            try:
-                if spans:
-                    list(decode_spans(data, CONFIG, LIMITS, seconds=5, overlap=0, helper=True))
-                else:
-                    decode_video(data, CONFIG, LIMITS, helper=True)
-            except InputTooLargeError:
-                pass
+            with contextlib.suppress(InputTooLargeError):
+                decode(data, spans, helper=True)
             made.append(weakref.ref(slow.last))
             del slow.last
         slow.error = MemoryError()
