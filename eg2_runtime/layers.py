@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eg2_runtime.quant import end_to_end_flat
+
 
 class RMSNorm(nn.Module):
     """Gemma RMSNorm: `x * (mean(x^2) + eps)^-0.5 * w`, computed in fp32 (w, not 1 + w).
@@ -159,12 +161,8 @@ def end_to_end(
     parts: Sequence[torch.Tensor], device: torch.device | str
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(out_i, in) weights -> their rows end to end on `device`, and each one's rows as a view of it."""
-    merged = torch.cat(list(parts)).to(device)
-    views, start = [], 0
-    for p in parts:
-        views.append(merged[start : start + p.shape[0]])
-        start += p.shape[0]
-    return merged, views
+    flat, views = end_to_end_flat(list(parts), device)
+    return flat.view(-1, parts[0].shape[-1]), views
 
 
 def merge_weights(module: nn.Module, merges: dict[str, tuple[str, ...]]) -> None:

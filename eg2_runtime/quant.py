@@ -156,7 +156,8 @@ def end_to_end_flat(
     parts: list[torch.Tensor], device: torch.device | str
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Tensors of any shapes -> their elements end to end, flat, on `device`, and each part as a view
-    of it: a group's codes (or scales) laid out so one launch reads them as one run."""
+    of it: a group's codes (or scales) laid out so one launch reads them as one run; a module's
+    merged weights (layers.end_to_end) are the 2-D view of one."""
     flat = torch.cat([p.reshape(-1) for p in parts]).to(device)
     views, start = [], 0
     for p in parts:
