@@ -61,6 +61,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         from eg2_runtime import unpack_triton
 
         unpack_triton.BLOCK_WORDS = spec["block_words"]  # read by dequantize_run at each launch
+    if spec.get("kernel"):
+        _lab_kernel(spec["kernel"])
     if spec.get("per_slot") is not None:
         from eg2_runtime import loader
 
@@ -144,6 +146,59 @@ def kernel_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[
     }
 
 
+def _lab_kernel(kind: str) -> None:
+    """Replace the unpack kernel the Unpacker launches, for timing only: "skip" launches nothing (the
+    matmuls read whatever the scratch holds: the forward with the unpacks' cost removed and the
+    graph's events and edges kept); "ctas:N" runs the same arithmetic in N persistent programs, each
+    looping over blocks, so the unpack holds at most N SMs' worth of blocks beside the matmuls."""
+    from eg2_runtime import unpack_triton
+
+    if kind == "skip":
+        vars(unpack_triton)["dequantize_run"] = lambda words, scales, out: out
+        return
+    import torch
+    import triton
+
+    programs = int(kind.removeprefix("ctas:"))
+    block = unpack_triton.BLOCK_WORDS
+
+    def run(words: Any, scales: Any, out: Any) -> Any:
+        total = words.numel()
+        grid = min(programs, triton.cdiv(total, block))
+        _persistent_kernel()[(grid,)](
+            words, scales, out.view(torch.int16), total,
+            WORDS_PER_GROUP=total // scales.numel(), BLOCK=block, PROGRAMS=grid,
+        )  # fmt: skip
+        return out
+
+    vars(unpack_triton)["dequantize_run"] = run
+
+
+def _persistent_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(packed_ptr, scale_ptr, out_ptr, total_words,
+               WORDS_PER_GROUP: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):  # fmt: skip
+        blocks = tl.cdiv(total_words, BLOCK)
+        for b in range(tl.program_id(0), blocks, PROGRAMS):
+            f = b * BLOCK + tl.arange(0, BLOCK)  # int32: a group is at most a few million words
+            live = f < total_words
+            word = tl.load(packed_ptr + f, mask=live, other=0)
+            nibble = (word[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 0xF
+            scale = tl.load(scale_ptr + f // WORDS_PER_GROUP, mask=live, other=0.0).to(tl.float32)
+            value = (nibble - 8).to(tl.float32) * scale[:, None]
+            bits = value.to(tl.uint32, bitcast=True)
+            bf16 = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.int16, bitcast=True)
+            cols = f[:, None] * 8 + tl.arange(0, 8)[None, :]
+            tl.store(out_ptr + cols, bf16, mask=live[:, None])
+
+    global _persistent_kernel
+    _persistent_kernel = lambda: kernel  # noqa: E731  compiled once per process
+    return kernel
+
+
 def _high_priority_stream(purpose: str) -> None:
     """Make the side stream for `purpose` ("unpack", or "capture": the stream the tower graphs are
     captured on) with the device's greatest stream priority; the other keeps the least."""
@@ -187,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--block-words", default="", help="also run ahead 1 with these kernel block sizes")
     ap.add_argument("--per-slot", default="", help="also run ahead 1 with these unpack group caps")
+    ap.add_argument(
+        "--kernel", default="", help="also run ahead 1 with these lab unpack kernels (skip, ctas:N)"
+    )
     ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times [1]")
     ap.add_argument("--trace", action="store_true", help="sum each traced row's kernels by kind")
     ap.add_argument("--seconds", type=float, default=1.0, help="time box of each cell's timed rounds [1]")
@@ -217,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             one["w4 main-priority"] = {"model_dir": w4, "priority": "capture"}
         for words in filter(None, args.block_words.split(",")):
             one[f"w4 block {words}"] = {"model_dir": w4, "block_words": int(words)}
+        for kernel in filter(None, args.kernel.split(",")):
+            one[f"w4 kernel {kernel}"] = {"model_dir": w4, "kernel": kernel}
         for per_slot in filter(None, args.per_slot.split(",")):
             one[f"w4 per-slot {per_slot}"] = {"model_dir": w4, "per_slot": int(per_slot)}
         budget = matched_budget(bf16, w4) if args.device == "cuda" else None
