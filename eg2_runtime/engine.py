@@ -625,11 +625,15 @@ class Engine:
         """(B, 768) float32 unit vectors, in batch order."""
         if torch.get_num_threads() != self.cpu_threads:  # per thread: set on the model's own
             torch.set_num_threads(self.cpu_threads)
+        if self.towers is not None:
+            self.towers.miscount = None  # a batch that raised midway may have left its flag
         try:
             parts = [self._forward([p.inputs for p in chunk]).cpu() for chunk in self._chunks(batch)]
         except torch.OutOfMemoryError as e:
             torch.cuda.empty_cache()  # the engine stays usable: the caller retries smaller batches
             raise EngineOutOfMemory(f"out of accelerator memory on a batch of {len(batch)}") from e
+        if self.towers is not None:
+            self.towers.check_counts()  # after the copies above: the flag is ready, no further wait
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).numpy()
 
     def _chunks(self, batch: Sequence[PreparedItem]) -> Iterator[Sequence[PreparedItem]]:

@@ -27,10 +27,16 @@ ALL_MODALITIES = frozenset({"text", "image", "audio", "video"})
 
 
 class SoftTokens(Protocol):
-    """What computes media soft tokens: EG2Model itself, or eg2_runtime.tower_graphs.GraphedTowers."""
+    """What computes media soft tokens: EG2Model itself, or eg2_runtime.tower_graphs.GraphedTowers.
+    `count`: how many soft tokens the placeholders ask for, known on the host; the graphed towers use
+    it to select without a device sync, EG2Model does not need it."""
 
-    def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
-    def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor: ...
+    def image_soft_tokens(
+        self, pixels: torch.Tensor, positions: torch.Tensor, count: int | None = None
+    ) -> torch.Tensor: ...
+    def audio_soft_tokens(
+        self, features: torch.Tensor, mask: torch.Tensor, count: int | None = None
+    ) -> torch.Tensor: ...
 
 
 class MultimodalEmbedder(nn.Module):
@@ -85,14 +91,20 @@ class EG2Model(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.language_model.embed_tokens.weight.dtype
 
-    def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(N, S, 768) pixels, (N, S, 2) positions -> (n_soft, H), images in order."""
+    def image_soft_tokens(
+        self, pixels: torch.Tensor, positions: torch.Tensor, count: int | None = None
+    ) -> torch.Tensor:
+        """(N, S, 768) pixels, (N, S, 2) positions -> (n_soft, H), images in order. `count` is not
+        needed here (SoftTokens): the caller checks n_soft."""
         if self.vision_tower is None or self.embed_vision is None:
             raise ValueError("this model was loaded without the vision tower")
         return self.embed_vision(self.vision_tower(pixels, positions))
 
-    def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(N, F, 128) log-mel, (N, F) mask -> (n_soft, H): each clip's valid steps, clips in order."""
+    def audio_soft_tokens(
+        self, features: torch.Tensor, mask: torch.Tensor, count: int | None = None
+    ) -> torch.Tensor:
+        """(N, F, 128) log-mel, (N, F) mask -> (n_soft, H): each clip's valid steps, clips in order.
+        `count` as for image_soft_tokens."""
         if self.audio_tower is None or self.embed_audio is None:
             raise ValueError("this model was loaded without the audio tower")
         states, valid = self.audio_tower(features.to(self.dtype), mask.bool())
@@ -130,12 +142,16 @@ class EG2Model(nn.Module):
                 if n_slots:
                     raise ValueError(f"{n_slots} placeholder tokens {token_id} but no media inputs for them")
                 continue
-            soft = encode(values, aux).to(embeds.dtype)  # (n_soft, H)
+            soft = encode(values, aux, n_slots).to(embeds.dtype)  # (n_soft, H)
             if soft.shape[0] != n_slots:
                 raise ValueError(
                     f"media gave {soft.shape[0]} soft tokens for {n_slots} placeholders of {token_id}"
                 )
-            embeds = embeds.masked_scatter(slots.to(embeds.device)[..., None], soft)
+            if slots.device != embeds.device:
+                # Pinned, so the copy queues behind the towers' work; a blocking copy from pageable
+                # memory would wait for it, as the count's sync would (tower_graphs.py).
+                slots = slots.pin_memory().to(embeds.device, non_blocking=True)
+            embeds = embeds.masked_scatter(slots[..., None], soft)
         return embeds
 
     def encode(self, embeds: torch.Tensor, attention_mask: torch.Tensor, lean: bool = False) -> torch.Tensor:

@@ -14,8 +14,13 @@ How: as graphs.py does for text. A batch is padded up to a bucket and copied int
 - audio: B clips of F mel frames pad to (Bb, Fb) with invalid frames; the tower masks padded frames
   before its convolutions, hides them as attention keys and its time convolution is causal, so
   valid steps see exactly what they would unpadded.
-The graphs return every slot / step and which are used; the used ones are selected outside (a
-data-dependent shape). The media embedders run inside the graphs.
+The graphs return every slot / step and which are used; the used ones are selected outside. Given
+the count the caller expects (the placeholders it counted on the host), the selection has a static
+shape (nonzero_static) and the host queues the text encoder's work behind the tower's without waiting
+for it: the alternative, a boolean index, waits for the tower to finish (its count), and the GPU then
+idles while the host scatters the soft tokens and launches the text graphs (~2.8 ms a batch of clips
+on the H100, 2026-12-07, docs/PERF.md). The count the tower actually used is checked after the
+engine's own sync at the end of the batch (`check_counts`). The media embedders run inside the graphs.
 
 Memory: the buckets are bounded by the memory plan (memory_plan.py): Nb x S patch slots and Bb x Fb
 frames at most, drawing on the pool the text graphs use. A batch with more items than the largest
@@ -94,6 +99,8 @@ class GraphedTowers:
         # Buckets the start-up set passed over to keep room for the captures after them: tried on
         # first use.
         self.deferred: set[tuple[str, int, int]] = set()
+        # On the device: whether a selection given a count found another number used (_select).
+        self.miscount: torch.Tensor | None = None
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -107,8 +114,11 @@ class GraphedTowers:
 
     # ---- the two entry points (EG2Model's signatures) -------------------------------------------
 
-    def image_soft_tokens(self, pixels: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, H), images in order."""
+    def image_soft_tokens(
+        self, pixels: torch.Tensor, positions: torch.Tensor, count: int | None = None
+    ) -> torch.Tensor:
+        """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, H), images in order. `count`: the n_soft
+        expected, which spares a device sync (module docstring); None selects after a sync."""
         _, s, _ = pixels.shape
 
         def eager(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # within the tower bound
@@ -123,11 +133,14 @@ class GraphedTowers:
 
         return self._buckets(
             "image", s, lambda r: r * s <= self.vision_slots, buffers, (0.0, -1.0), self._image_step,
-            (pixels, positions), eager,
+            (pixels, positions), eager, count,
         )  # fmt: skip
 
-    def audio_soft_tokens(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, F, bins) log-mel, (B, F) mask -> (n_soft, H): each clip's valid steps, clips in order."""
+    def audio_soft_tokens(
+        self, features: torch.Tensor, mask: torch.Tensor, count: int | None = None
+    ) -> torch.Tensor:
+        """(B, F, bins) log-mel, (B, F) mask -> (n_soft, H): each clip's valid steps, clips in order.
+        `count` as for image_soft_tokens."""
         _, f, bins = features.shape
         fb = rung(FRAME_LADDER, f)
         if fb is None:
@@ -142,7 +155,7 @@ class GraphedTowers:
 
         return self._buckets(
             "audio", fb, lambda r: r * fb <= FRAMES_PER_TOKEN * self.audio_tokens, buffers, (0.0, 0.0),
-            self._audio_step, (features.to(dtype), mask.bool()), self.model.audio_soft_tokens,
+            self._audio_step, (features.to(dtype), mask.bool()), self.model.audio_soft_tokens, count,
         )  # fmt: skip
 
     def _buckets(
@@ -155,15 +168,19 @@ class GraphedTowers:
         step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
         inputs: tuple[torch.Tensor, torch.Tensor],
         eager: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        count: int | None,
     ) -> torch.Tensor:
         """The items of `inputs` through buckets (kind, rows, size): as many rows per replay as the
         largest bucket that `fits` and the pool has not refused holds, each chunk in the smallest
-        such bucket that holds it; `eager` (unpadded) for what no bucket holds."""
-        n, parts, i = inputs[0].shape[0], [], 0
+        such bucket that holds it; `eager` (unpadded) for what no bucket holds. Then the used rows,
+        in order (`_select`)."""
+        n, i = inputs[0].shape[0], 0
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, H) and which of them are used
         while i < n:
             usable = [r for r in ITEM_LADDER if fits(r) and (kind, r, size) not in self.refused]
             if not usable or not self.graphing:
-                parts.append(eager(*(x[i:] for x in inputs)))
+                soft = eager(*(x[i:] for x in inputs))
+                parts.append((soft, torch.ones(soft.shape[0], dtype=torch.bool, device=soft.device)))
                 break
             rows = min(max(usable), n - i)
             nb = min(r for r in usable if r >= rows)
@@ -173,9 +190,33 @@ class GraphedTowers:
                 (kind, nb, size), partial(buffers, nb), fills, step, tuple(x[i : i + rows] for x in inputs)
             )
             if part is not None:
-                parts.append(part)
                 i += rows
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+                # Views of the graph's static outputs: a later replay of the same bucket would
+                # overwrite them before the selection reads them, so a part with more to come is
+                # copied (in stream order, before that replay).
+                parts.append(part if i >= n else (part[0].clone(), part[1].clone()))
+        return self._select(parts, count)
+
+    def _select(self, parts: list[tuple[torch.Tensor, torch.Tensor]], count: int | None) -> torch.Tensor:
+        """The used rows of the parts' (rows, H) soft tokens, in order: (count, H) with no device sync
+        when `count` is given (a mismatch is flagged for check_counts), else after one."""
+        soft = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        used = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        if count is None:
+            return soft[used]
+        # Row indices of the used rows, ascending, padded with row 0 past what the tower used: a
+        # static shape. A wrong count is caught by check_counts, never read as a vector.
+        rows = torch.nonzero_static(used, size=count, fill_value=0).squeeze(1)
+        wrong = used.sum() != count
+        self.miscount = wrong if self.miscount is None else self.miscount | wrong
+        return soft.index_select(0, rows)
+
+    def check_counts(self) -> None:
+        """Raise if a selection since the last check got a count other than the tower's used rows.
+        Reads one flag from the device: call it after a sync (the engine's, at the end of a batch)."""
+        wrong, self.miscount = self.miscount, None
+        if wrong is not None and bool(wrong):
+            raise ValueError("the media gave another number of soft tokens than the placeholders ask for")
 
     def capture_startup(self, image_tokens: int | None, audio: bool, then: int = 0) -> None:
         """Capture the one-item buckets short requests take: an image of `image_tokens` soft tokens,
@@ -236,8 +277,9 @@ class GraphedTowers:
         fills: tuple[float, ...],
         step: Callable[..., tuple[torch.Tensor, torch.Tensor]],
         inputs: tuple[torch.Tensor, ...],
-    ) -> torch.Tensor | None:
-        """The inputs' items through bucket `key`; None when its capture is refused now."""
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The inputs' items through bucket `key`: views of the graph's outputs, (n M, H) soft tokens
+        and (n M,) which are used; None when its capture is refused now."""
         captured = self.graphs.get(key) or self._capture(key, buffers, fills, step)
         if captured is None:
             return None
@@ -248,15 +290,21 @@ class GraphedTowers:
             static[tuple(slice(0, d) for d in x.shape)].copy_(x)
         if captured.graph is None:
             soft, used = step(*captured.inputs)
+            # Into the same output tensors each run, as a replay writes its static ones.
+            if captured.outputs is None:
+                captured.outputs = (soft, used)
+            else:
+                captured.outputs[0].copy_(soft)
+                captured.outputs[1].copy_(used)
+            soft, used = captured.outputs
         else:
             if self.unpacker is not None:
                 self.unpacker.join()  # an eager forward's prefetch may still be writing a scratch slot
             captured.graph.replay()
             assert captured.outputs is not None
             soft, used = captured.outputs
-        # Only the caller's items; the padded ones (whose slot 0 may count as used) are dropped.
-        # Selecting reads the graph's static output before the next replay can overwrite it.
-        return soft[:n][used[:n]]
+        # Only the caller's items: the padded ones (whose slot 0 may count as used) are dropped.
+        return soft[:n].flatten(0, 1), used[:n].flatten()
 
     def _capture(
         self,

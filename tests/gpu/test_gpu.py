@@ -486,6 +486,47 @@ def test_tiny_graph_captures_match_eager(
     )
 
 
+def test_media_soft_tokens_reach_the_text_encoder_without_a_device_sync(
+    tiny_w4: Path, results: Path | None
+) -> None:
+    """The input embeddings of media items through the tower graphs, with torch's sync debug mode
+    set to raise: no step from the towers' replay to the soft tokens scattered among the token
+    embeddings waits for the GPU (tower_graphs.py: the selection by the placeholders' count, the
+    pinned copy of their positions). The counts are checked after, and the result equals the same
+    call's before (where the first call captured the buckets, which syncs)."""
+    engine = _engine(tiny_w4)
+    assert engine.towers is not None
+    image = lambda i: Item((MediaPart("image", samples.png(640, 480, i)),))  # noqa: E731
+    cases = {
+        "1 image": [image(0)],
+        "3 images": [image(i) for i in range(3)],
+        "3 clips": [Item((MediaPart("audio", samples.wav(s)),)) for s in (9.3, 3.0, 1.0)],
+        "1 video": [Item((MediaPart("video", samples.mp4(4)),))],
+        "text, image, clip": [
+            Item((TextPart("a photo and a sound"), MediaPart("image", samples.png(64, 48)))),
+            Item((MediaPart("audio", samples.wav(0.8)),)),
+        ],
+    }
+    figures: dict[str, Any] = {}
+    for name, items in cases.items():
+        prepared = [engine.prepare(x, PrepareOptions()) for x in items]
+        ids, inputs = engine.device_batch([p.inputs for p in prepared])
+        inputs.pop("attention_mask")
+        with torch.inference_mode():
+            first = engine.model.input_embeddings(ids, **inputs, towers=engine.towers)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                again = engine.model.input_embeddings(ids, **inputs, towers=engine.towers)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            engine.towers.check_counts()
+        figures[name] = {"equal": bool(torch.equal(first, again)), "rows": list(again.shape[:2])}
+    figures["tower_graphs"] = sorted(str(k) for k in engine.towers.graphs)
+    record(results, "gpu_soft_tokens_without_sync", figures)
+    assert all(v["equal"] for k, v in figures.items() if k != "tower_graphs"), figures
+
+
 def test_a_trial_capture_keeps_what_free_blocks_hold_and_stops_at_its_allowance(
     tiny_w4: Path, results: Path | None
 ) -> None:

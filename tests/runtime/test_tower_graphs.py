@@ -51,6 +51,12 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= TOL, f"max abs diff {err:.2e} > {TOL}"
 
 
+# Each case runs both selections of the used rows: by the count the caller knows (no device sync),
+# and by a boolean index (count None).
+COUNTED = pytest.mark.parametrize("counted", [True, False], ids=["count", "no-count"])
+
+
+@COUNTED
 @pytest.mark.parametrize(
     "images",
     [
@@ -58,18 +64,21 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
         [(64, 48), (48, 64), (96, 96)],  # 3 -> bucket 4: a fully padded image
     ],
 )
-def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, int]]) -> None:
+def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, int]], counted: bool) -> None:
     items = [Item((MediaPart("image", samples.png(w, h, i)),)) for i, (w, h) in enumerate(images)]
     towers, (pixels, positions) = _towers_and(engine, items, "pixel_values", "image_position_ids")
     with torch.inference_mode():
         expected = engine.model.image_soft_tokens(pixels, positions)
-        got = towers.image_soft_tokens(pixels, positions)
-        again = towers.image_soft_tokens(pixels, positions)  # static buffers reused
+        count = expected.shape[0] if counted else None
+        got = towers.image_soft_tokens(pixels, positions, count)
+        again = towers.image_soft_tokens(pixels, positions, count)  # static buffers reused
     _close(got, expected)
     assert torch.equal(got, again)
+    towers.check_counts()
     assert [key[:2] for key in towers.graphs] == [("image", 1 if len(images) == 1 else 4)]  # padded to a rung
 
 
+@COUNTED
 @pytest.mark.parametrize(
     "seconds",
     [
@@ -77,18 +86,61 @@ def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, i
         [2.5, 0.4, 1.3],  # 3 clips of different lengths -> bucket 4, each padded to the longest rung
     ],
 )
-def test_audio_buckets_equal_the_tower(engine: Engine, seconds: list[float]) -> None:
+def test_audio_buckets_equal_the_tower(engine: Engine, seconds: list[float], counted: bool) -> None:
     items = [Item((MediaPart("audio", samples.wav(s, hz=300 + 100 * i)),)) for i, s in enumerate(seconds)]
     towers, (features, mask) = _towers_and(engine, items, "input_features", "input_features_mask")
     with torch.inference_mode():
         expected = engine.model.audio_soft_tokens(features, mask)
-        got = towers.audio_soft_tokens(features, mask)
-        smaller = towers.audio_soft_tokens(features[:1, :50], mask[:1, :50])  # same bucket, shorter input
         alone = engine.model.audio_soft_tokens(features[:1, :50], mask[:1, :50])
+        got = towers.audio_soft_tokens(features, mask, expected.shape[0] if counted else None)
+        smaller = towers.audio_soft_tokens(  # same bucket, shorter input
+            features[:1, :50], mask[:1, :50], alone.shape[0] if counted else None
+        )
     _close(got, expected)
     _close(smaller, alone)  # a buffer left holding a longer input is re-padded, not read
+    towers.check_counts()
     (key,) = [k for k in towers.graphs if k[1] == (1 if len(seconds) == 1 else 4)]
     assert key[2] > features.shape[1]  # frames padded up the ladder too
+
+
+@pytest.mark.parametrize("off", [-1, 1])
+def test_a_count_other_than_the_towers_is_caught_after_the_batch(engine: Engine, off: int) -> None:
+    """A count the tower's used rows do not match (preprocessing and the tower disagreeing) still
+    gives `count` rows, with no sync, and check_counts raises once for it; the flag is then gone."""
+    items = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(2)]
+    towers, (pixels, positions) = _towers_and(engine, items, "pixel_values", "image_position_ids")
+    with torch.inference_mode():
+        n = engine.model.image_soft_tokens(pixels, positions).shape[0]
+        assert towers.image_soft_tokens(pixels, positions, n + off).shape[0] == n + off
+        towers.image_soft_tokens(pixels, positions, n)  # a right one after does not clear it
+    with pytest.raises(ValueError, match="soft tokens"):
+        towers.check_counts()
+    towers.check_counts()
+
+
+def test_the_engine_checks_the_towers_count_after_each_batch(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine.embed through graphed towers whose tower uses one slot fewer than the placeholders ask
+    for: the batch fails with the count's error instead of returning a vector built on a wrong row;
+    the next batch, with the tower right again, succeeds."""
+    towers = GraphedTowers(engine.model, capture=False, **UNBOUNDED)
+    step = towers._image_step
+
+    def one_short(pixels: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        soft, used = step(pixels, positions)
+        used = used.clone()
+        used[0, used[0].nonzero()[-1]] = False  # the first image's last used slot
+        return soft, used
+
+    monkeypatch.setattr(engine, "towers", towers)
+    prepared = engine.prepare_many([Item((MediaPart("image", samples.png(64, 48)),))], PrepareOptions())
+    with monkeypatch.context() as m:
+        m.setattr(towers, "_image_step", one_short)
+        with pytest.raises(ValueError, match="soft tokens"):
+            engine.embed(prepared)  # type: ignore[arg-type]
+    towers.graphs.clear()  # its captured step was the short one
+    assert engine.embed(prepared).shape == (1, 768)  # type: ignore[arg-type]
 
 
 def test_input_embeddings_through_the_towers(engine: Engine) -> None:
@@ -110,8 +162,9 @@ def test_input_embeddings_through_the_towers(engine: Engine) -> None:
     _close(got, expected)
 
 
+@COUNTED
 def test_batches_past_the_largest_bucket_run_as_several(
-    engine: Engine, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, counted: bool
 ) -> None:
     """The memory plan bounds the buckets, not the batches: 5 images whose bound fits 2 run as
     buckets of 2, 2 and 1; clips likewise; and an image no bucket holds runs eagerly in chunks of at
@@ -129,16 +182,22 @@ def test_batches_past_the_largest_bucket_run_as_several(
     calls: list[int] = []  # images per eager tower call
     tower = engine.model.image_soft_tokens
 
-    def counted(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    def count_calls(p: torch.Tensor, q: torch.Tensor, count: int | None = None) -> torch.Tensor:
         calls.append(p.shape[0])
         return tower(p, q)
 
     with torch.inference_mode():
         expected = tower(pixels, positions)
-        _close(towers.image_soft_tokens(pixels, positions), expected)
-        monkeypatch.setattr(engine.model, "image_soft_tokens", counted)
-        _close(eager.image_soft_tokens(pixels, positions), expected)
-        _close(audio.audio_soft_tokens(features, mask), engine.model.audio_soft_tokens(features, mask))
+        clips = engine.model.audio_soft_tokens(features, mask)
+        # With a count, the parts are selected after the last replay: each earlier part must have
+        # been copied out of its bucket's outputs, which the next replay of that bucket overwrites.
+        n, n_clips = (expected.shape[0], clips.shape[0]) if counted else (None, None)
+        _close(towers.image_soft_tokens(pixels, positions, n), expected)
+        monkeypatch.setattr(engine.model, "image_soft_tokens", count_calls)
+        _close(eager.image_soft_tokens(pixels, positions, n), expected)
+        _close(audio.audio_soft_tokens(features, mask, n_clips), clips)
+    for t in (towers, eager, audio):
+        t.check_counts()
     assert calls == [2, 2, 1], "eager tower calls of at most tower_slots patch slots"
     assert sorted(k[1] for k in towers.graphs) == [1, 2], "5 images run as 2 + 2 + 1"
     assert not eager.graphs, "no bucket holds an image: the tower runs eagerly"
