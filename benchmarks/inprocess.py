@@ -185,6 +185,8 @@ class Ours:
                 return self.engine.forward(ids, on_device)  # the engine's path: CUDA graphs where it has them
 
             ms_by_size[len(chunk)] = float(np.median(device_times_ms(forward, self.device, budget)))
+            if self.engine.towers is not None:  # what Engine.embed checks after each batch
+                self.engine.towers.check_counts()
             del ids, on_device
         total_ms = sum(ms_by_size[len(chunk)] for chunk in chunks)
         out["forward"] = ms_stats([total_ms], len(prepared))

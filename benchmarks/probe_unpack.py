@@ -124,6 +124,8 @@ def kernel_summary(engine: Any, prepared: list[Any], forwards: int = 5) -> dict[
             for _ in range(forwards):
                 engine.forward(ids, on_device)
             torch.cuda.synchronize()
+    if engine.towers is not None:  # what Engine.embed checks after each batch
+        engine.towers.check_counts()
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
 
     def kind(name: str) -> str:

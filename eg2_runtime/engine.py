@@ -681,6 +681,8 @@ class Engine:
         (packed_graphs.py); else they replay a padded bucket's graph where one holds the batch, or
         run eagerly, on the memory-lean path when `lean_text`. The media towers replay theirs when
         `tower_graphs` is on (else run eagerly), and the scatter of their soft tokens runs eagerly.
+        The towers' graphs leave a wrong soft-token count to `self.towers.check_counts()`, which
+        `embed` calls after its sync: a caller of this alone checks it too.
         """
         inputs = dict(inputs)  # the attention mask is taken out below; the caller's dict stays whole
         mask = inputs.pop("attention_mask")

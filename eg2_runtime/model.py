@@ -125,7 +125,9 @@ class EG2Model(nn.Module):
         """(B, T, H): token embeddings with the media soft tokens scattered in, the text encoder's
         input. Argument names are the HF processor's. `input_ids` may stay on the host (the engine
         keeps them there): counting placeholders then needs no device sync. `towers`: another way to
-        compute the soft tokens (the engine's CUDA graphs), the same functions by default."""
+        compute the soft tokens (the engine's CUDA graphs), the same functions by default; given the
+        placeholders' count, the graphs return that many rows and leave a mismatch to their
+        `check_counts`, which Engine.embed calls after its sync."""
         cfg = self.config
         image = towers.image_soft_tokens if towers is not None else self.image_soft_tokens
         audio = towers.audio_soft_tokens if towers is not None else self.audio_soft_tokens
@@ -148,8 +150,9 @@ class EG2Model(nn.Module):
                     f"media gave {soft.shape[0]} soft tokens for {n_slots} placeholders of {token_id}"
                 )
             if slots.device != embeds.device:
-                # Pinned, so the copy queues behind the towers' work; a blocking copy from pageable
-                # memory would wait for it, as the count's sync would (tower_graphs.py).
+                # Non-blocking, so the copy queues behind the towers' work instead of waiting for it
+                # (as the count's sync would, tower_graphs.py); pinned, so that the copy really is
+                # asynchronous (from pageable memory the driver may wait for the stream).
                 slots = slots.pin_memory().to(embeds.device, non_blocking=True)
             embeds = embeds.masked_scatter(slots[..., None], soft)
         return embeds

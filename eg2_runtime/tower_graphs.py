@@ -118,7 +118,8 @@ class GraphedTowers:
         self, pixels: torch.Tensor, positions: torch.Tensor, count: int | None = None
     ) -> torch.Tensor:
         """(N, S, C) pixels, (N, S, 2) positions -> (n_soft, H), images in order. `count`: the n_soft
-        expected, which spares a device sync (module docstring); None selects after a sync."""
+        expected, which spares a device sync where every chunk runs in a graph (module docstring);
+        None selects after a sync."""
         _, s, _ = pixels.shape
 
         def eager(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # within the tower bound
@@ -179,7 +180,7 @@ class GraphedTowers:
         while i < n:
             usable = [r for r in ITEM_LADDER if fits(r) and (kind, r, size) not in self.refused]
             if not usable or not self.graphing:
-                soft = eager(*(x[i:] for x in inputs))
+                soft = eager(*(x[i:] for x in inputs))  # its used rows only: every row is used
                 parts.append((soft, torch.ones(soft.shape[0], dtype=torch.bool, device=soft.device)))
                 break
             rows = min(max(usable), n - i)
@@ -204,8 +205,15 @@ class GraphedTowers:
         used = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         if count is None:
             return soft[used]
+        if count > soft.shape[0]:
+            # More than the rows there are (known on the host): the padding index below would be out
+            # of range, a device-side assert that ends the process's CUDA context, not a 4xx.
+            raise ValueError(
+                f"{count} placeholders ask for more soft tokens than the towers' {soft.shape[0]} rows"
+            )
         # Row indices of the used rows, ascending, padded with row 0 past what the tower used: a
-        # static shape. A wrong count is caught by check_counts, never read as a vector.
+        # static shape. A wrong count is flagged for check_counts (Engine.embed calls it): a caller
+        # of the forward that does not check reads row 0 where the tower had none.
         rows = torch.nonzero_static(used, size=count, fill_value=0).squeeze(1)
         wrong = used.sum() != count
         self.miscount = wrong if self.miscount is None else self.miscount | wrong

@@ -493,7 +493,10 @@ def test_media_soft_tokens_reach_the_text_encoder_without_a_device_sync(
     set to raise: no step from the towers' replay to the soft tokens scattered among the token
     embeddings waits for the GPU (tower_graphs.py: the selection by the placeholders' count, the
     pinned copy of their positions). The counts are checked after, and the result equals the same
-    call's before (where the first call captured the buckets, which syncs)."""
+    call's before (where the first call captured the buckets, which syncs). Every chunk must have run
+    in a graph: an eager fallback syncs by design. The debug mode sees the syncs torch makes (blocking
+    copies, synchronize, .item(), nonzero), not a driver's wait inside a copy from pageable memory:
+    that the placeholders' mask is pinned is read in the code, not measured here."""
     engine = _engine(tiny_w4)
     assert engine.towers is not None
     image = lambda i: Item((MediaPart("image", samples.png(640, 480, i)),))  # noqa: E731
@@ -515,6 +518,7 @@ def test_media_soft_tokens_reach_the_text_encoder_without_a_device_sync(
         with torch.inference_mode():
             first = engine.model.input_embeddings(ids, **inputs, towers=engine.towers)
             torch.cuda.synchronize()
+            assert not engine.towers.refused, f"{name}: buckets refused, {engine.towers.refused}"
             torch.cuda.set_sync_debug_mode("error")
             try:
                 again = engine.model.input_embeddings(ids, **inputs, towers=engine.towers)

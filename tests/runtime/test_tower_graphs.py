@@ -104,16 +104,26 @@ def test_audio_buckets_equal_the_tower(engine: Engine, seconds: list[float], cou
 
 
 @pytest.mark.parametrize("off", [-1, 1])
-def test_a_count_other_than_the_towers_is_caught_after_the_batch(engine: Engine, off: int) -> None:
+@pytest.mark.parametrize("kind", ["image", "audio"])
+def test_a_count_other_than_the_towers_is_caught_after_the_batch(engine: Engine, off: int, kind: str) -> None:
     """A count the tower's used rows do not match (preprocessing and the tower disagreeing) still
-    gives `count` rows, with no sync, and check_counts raises once for it; the flag is then gone."""
-    items = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(2)]
-    towers, (pixels, positions) = _towers_and(engine, items, "pixel_values", "image_position_ids")
+    gives `count` rows, with no sync, and check_counts raises once for it; the flag is then gone. A
+    count past every row there is raises at once (its padding index would be out of range)."""
+    if kind == "image":
+        items = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(2)]
+        towers, inputs = _towers_and(engine, items, "pixel_values", "image_position_ids")
+        soft_tokens, reference = towers.image_soft_tokens, engine.model.image_soft_tokens
+    else:
+        items = [Item((MediaPart("audio", samples.wav(0.5 + i, hz=300 + 50 * i)),)) for i in range(2)]
+        towers, inputs = _towers_and(engine, items, "input_features", "input_features_mask")
+        soft_tokens, reference = towers.audio_soft_tokens, engine.model.audio_soft_tokens
     with torch.inference_mode():
-        n = engine.model.image_soft_tokens(pixels, positions).shape[0]
-        assert towers.image_soft_tokens(pixels, positions, n + off).shape[0] == n + off
-        towers.image_soft_tokens(pixels, positions, n)  # a right one after does not clear it
-    with pytest.raises(ValueError, match="soft tokens"):
+        n = reference(*inputs).shape[0]
+        assert soft_tokens(*inputs, n + off).shape[0] == n + off
+        soft_tokens(*inputs, n)  # a right one after does not clear it
+        with pytest.raises(ValueError, match="more soft tokens than"):
+            soft_tokens(*inputs, 1 << 20)
+    with pytest.raises(ValueError, match="placeholders ask for"):
         towers.check_counts()
     towers.check_counts()
 
@@ -137,9 +147,23 @@ def test_the_engine_checks_the_towers_count_after_each_batch(
     prepared = engine.prepare_many([Item((MediaPart("image", samples.png(64, 48)),))], PrepareOptions())
     with monkeypatch.context() as m:
         m.setattr(towers, "_image_step", one_short)
-        with pytest.raises(ValueError, match="soft tokens"):
+        with pytest.raises(ValueError, match="placeholders ask for"):
             engine.embed(prepared)  # type: ignore[arg-type]
-    towers.graphs.clear()  # its captured step was the short one
+    assert engine.embed(prepared).shape == (1, 768)  # type: ignore[arg-type]
+    # A batch that fails after its towers ran leaves their flag unchecked: the next batch must not
+    # inherit it.
+    scatter = engine.model.input_embeddings
+
+    def then_fails(*args: object, **kwargs: object) -> torch.Tensor:
+        scatter(*args, **kwargs)  # type: ignore[arg-type]
+        raise RuntimeError("the text encoder failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(towers, "_image_step", one_short)
+        m.setattr(engine.model, "input_embeddings", then_fails)
+        with pytest.raises(RuntimeError, match="text encoder failed"):
+            engine.embed(prepared)  # type: ignore[arg-type]
+    assert towers.miscount is not None, "the failed batch left its flag"
     assert engine.embed(prepared).shape == (1, 768)  # type: ignore[arg-type]
 
 
@@ -155,11 +179,26 @@ def test_input_embeddings_through_the_towers(engine: Engine) -> None:
     )
     ids, inputs = _inputs(engine, [item, Item((TextPart("only text"),))])
     inputs.pop("attention_mask")
+    towers = GraphedTowers(engine.model, capture=False, **UNBOUNDED)
+    counts: list[int | None] = []  # what each selection was given: the placeholders' count
+    select = towers._select
+
+    def counting(parts: list[tuple[torch.Tensor, torch.Tensor]], count: int | None) -> torch.Tensor:
+        counts.append(count)
+        return select(parts, count)
+
     with torch.inference_mode():
         expected = engine.model.input_embeddings(ids, **inputs)
-        towers = GraphedTowers(engine.model, capture=False, **UNBOUNDED)
-        got = engine.model.input_embeddings(ids, **inputs, towers=towers)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(towers, "_select", counting)
+            got = engine.model.input_embeddings(ids, **inputs, towers=towers)
     _close(got, expected)
+    towers.check_counts()
+    cfg = engine.model.config
+    placeholders = [
+        int((ids == t).sum()) for t in (cfg.image_token_id, cfg.video_token_id, cfg.audio_token_id)
+    ]
+    assert counts == placeholders, "each tower is given its placeholders' count (image, video, audio)"
 
 
 @COUNTED
