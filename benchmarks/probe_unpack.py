@@ -32,6 +32,7 @@ Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -176,7 +177,10 @@ def _lab_kernel(kind: str) -> None:
     vars(unpack_triton)["dequantize_run"] = run
 
 
+@functools.cache
 def _persistent_kernel() -> Any:
+    """unpack_triton's kernel with each program looping over blocks, PROGRAMS apart (the same
+    arithmetic, line for line); compiled once per process."""
     import triton
     import triton.language as tl
 
@@ -196,8 +200,6 @@ def _persistent_kernel() -> Any:
             cols = f[:, None] * 8 + tl.arange(0, 8)[None, :]
             tl.store(out_ptr + cols, bf16, mask=live[:, None])
 
-    global _persistent_kernel
-    _persistent_kernel = lambda: kernel  # noqa: E731  compiled once per process
     return kernel
 
 

@@ -3,7 +3,7 @@ copy of the same output bytes.
 
     python -m benchmarks.unpack_variants --out DIR
 
-Each tower's groups are those the loader makes at the default cap (loader.LAYERS_PER_SLOT = 1: an
+Each tower's groups are those the loader makes at the default cap (loader.unpack_groups: an
 attention's four projections in one, an MLP projection alone), each with codes and scales of its own
 (so the reads come from HBM, not L2), unpacked in order into two alternating slots as the Unpacker's
 ring does. One pass over the tower is timed as a CUDA graph of 5 passes, replayed (benchmarks.
@@ -28,32 +28,29 @@ import triton
 import triton.language as tl
 
 from benchmarks.vision_kernels import graph_us
-from eg2_runtime.quant import PACKED_TOWERS, quantize
-from eg2_runtime.tools.demo_model import checkpoint_shapes, demo_config
+from eg2_runtime.config import ModelConfig
+from eg2_runtime.loader import unpack_groups
+from eg2_runtime.model import EG2Model
+from eg2_runtime.quant import PACKED_TOWERS, PackedLinear, packable_linears, quantize, replace_module
+from eg2_runtime.tools.demo_model import demo_config
 from eg2_runtime.unpack_triton import dequantize_run
 
 GROUP = 128
 
 
 def group_sizes(tower: str) -> list[int]:
-    """Weights per unpack group of `tower` in the full architecture, at one largest layer a slot:
-    consecutive Linears of one owner module (the name less `.linear` and the projection)."""
-    shapes = checkpoint_shapes(demo_config("full"))
-    names = [k for k, s in shapes.items() if k.startswith(tower) and k.endswith(".weight") and len(s) == 2]
-    numel = {k: shapes[k][0] * shapes[k][1] for k in names}
-    cap = max(numel.values())
-    sizes: list[int] = []
-    owner, size = None, 0
-    for k in names:
-        parts = k.split(".")[:-1]  # without "weight"
-        parts = parts[:-1] if parts[-1] == "linear" else parts
-        this = ".".join(parts[:-1])
-        if this != owner or size + numel[k] > cap:
-            sizes.append(0)
-            owner, size = this, 0
-        sizes[-1] += numel[k]
-        size += numel[k]
-    return sizes
+    """Weights per unpack group of `tower` in the full architecture, as the loader groups them
+    (loader.unpack_groups at its default cap), on the meta device: no weights are made."""
+    with torch.device("meta"):
+        model = EG2Model(ModelConfig.from_dict(demo_config("full")))
+        for name in packable_linears(model):
+            m = model.get_submodule(name)
+            assert isinstance(m, torch.nn.Linear)
+            replace_module(model, name, PackedLinear(m.in_features, m.out_features, False, GROUP))
+    weights = {
+        n: m.in_features * m.out_features for n, m in model.named_modules() if isinstance(m, PackedLinear)
+    }
+    return [sum(weights[n] for n in group) for group in unpack_groups(model) if group[0].startswith(tower)]
 
 
 @triton.jit

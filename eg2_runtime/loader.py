@@ -272,8 +272,9 @@ def load_model(
 # slot. One keeps the slots of one launch a layer (two of 8 MiB on the full model) and puts an
 # attention's q, k, v and o in one launch (65 vision launches a forward instead of 113). Two also puts
 # a vision MLP's gate, up and down in one, and an audio feed-forward half's two layers (33): on an
-# H100 that halved the unpacks' device time, for 16 MiB more scratch, which takes the packed model
-# past 0.56x of BF16's memory after load (docs/PERF.md). 0: one launch a layer.
+# H100 that halved the unpacks' device time, but the forwards were no faster (docs/PERF.md,
+# 2026-12-07), and it costs 16 MiB more scratch, past 0.56x of BF16's memory after load. 0: one
+# launch a layer.
 LAYERS_PER_SLOT = 1
 
 

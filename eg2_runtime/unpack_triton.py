@@ -15,9 +15,9 @@ import triton.language as tl
 
 from eg2_runtime.quant import PACK
 
-# Words per program: 4,096 BF16 outputs (8 KiB) each, so the towers' layers (0.6-4.2 M weights) are
-# 144-1,024 programs and their unpack groups (up to 8.4 M) up to 2,048, where one program a row per
-# 128 words made 768-4,096 programs of 1-2 KiB a layer.
+# Words per program: 4,096 BF16 outputs (8 KiB) each, so the towers' layers (0.6-4.2 M weights) and
+# their unpack groups (at most LAYERS_PER_SLOT times the largest layer) are 144-1,024 programs at
+# the default cap, where one program a row per 128 words made 768-4,096 programs of 1-2 KiB a layer.
 BLOCK_WORDS = 512
 
 
