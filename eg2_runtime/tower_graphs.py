@@ -18,7 +18,7 @@ The graphs return every slot / step and which are used; the used ones are select
 the count the caller expects (the placeholders it counted on the host), the selection has a static
 shape (nonzero_static) and the host queues the text encoder's work behind the tower's without waiting
 for it: the alternative, a boolean index, waits for the tower to finish (its count), and the GPU then
-idles while the host scatters the soft tokens and launches the text graphs (~2.8 ms a batch of clips
+idles while the host scatters the soft tokens and launches the text graphs (~2.7 ms a batch of clips
 on the H100, 2026-12-07, docs/PERF.md). The count the tower actually used is checked after the
 engine's own sync at the end of the batch (`check_counts`). The media embedders run inside the graphs.
 
