@@ -2,7 +2,7 @@
 
 Why: the service prepares media on threads of the process that also runs the event loop and the GPU
 thread. Decoders and torch's CPU ops release the GIL, but every hand-back waits for it: on the H200
-host one 641x479 PNG took 7.7 ms to prepare alone in a process and 12.5-17.9 ms inside the serving
+host one 641x479 PNG took 7.7 ms to prepare alone in a process and 12.5-17.5 ms inside the serving
 process (docs/PERF.md). A worker process prepares it with a GIL of its own.
 
     submit(items, options) ──► a job: one ProcessPoolExecutor task on a spawned worker
