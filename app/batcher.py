@@ -9,7 +9,7 @@
              is tokenized on the event loop instead, where the thread hop would cost more
              └─► per-modality queues of prepared items
                    └─► scheduler (event loop): each queue is a line of requests taking turns
-                       (_Queue). Longest-waiting front request first, the first modality whose
+                       (app/queues.py). Longest-waiting front request first, the first modality whose
                        batch is ready: full, or nothing of its modality in preprocessing, or its
                        front request waited max_queue_delay (plus max_request_gather while it
                        still has media in preprocessing, up to its share); take the front
@@ -41,25 +41,24 @@ import functools
 import itertools
 import logging
 import math
-import queue
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 
 from app.errors import Overloaded, Unavailable
 from app.metrics import Metrics
-from eg2_runtime.api import EngineAPI, Estimate, PreparedItem, SegmentStream, Span, TokenCount
+from app.queues import EmbedCall, Embedded, MediaBudget, ModalityQueue, Work
+from app.threads import JOIN_TIMEOUT_S, Threads, run_here
+from eg2_runtime.api import EngineAPI, Estimate, PreparedItem, SegmentStream, TokenCount
 from eg2_runtime.errors import EG2Error, EngineError, EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, PrepareOptions, TextPart
 
 log = logging.getLogger("eg2.batcher")
 T = TypeVar("T")
-JOIN_TIMEOUT_S = 1.0  # how long close() waits for worker threads to finish their current job
 # A request's text is tokenized on the event loop only with at most this many items: each costs 6-10 us
 # of preprocessing even when empty, so 8 items stay near the cost of 512 characters (78 vs 69 us, dev
 # machine, benchmarks/prepare_text_cost.py).
@@ -81,93 +80,6 @@ def step_size(estimate: Estimate, media_limit: int | None) -> tuple[int, int]:
         return spans, 0
     spans = max(1, min(spans, media_limit // max(per_span, 1)))
     return spans, spans * per_span
-
-
-class Threads:
-    """N daemon threads draining one job queue; each result lands in an asyncio future.
-
-    Not concurrent.futures: its workers are joined at interpreter exit, so one wedged engine call
-    would keep the process alive past its drain deadline. A job whose future was cancelled before a
-    thread picked it up is skipped. Stop them with close() then `await join(timeout)`: a daemon thread
-    still dropping tensors when the interpreter finalizes is killed inside a C++ destructor, and the
-    whole process aborts (SIGABRT) instead of exiting 0.
-    """
-
-    def __init__(self, n: int, name: str, init: Callable[[], None] | None = None) -> None:
-        """`init`: run first on each thread (the engine's set-up of a preparing thread)."""
-        self.name = name
-        self._init = init
-        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    @property
-    def idents(self) -> set[int | None]:
-        return {t.ident for t in self._threads}
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._jobs.put((loop, future, fn, args))
-        return future
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-
-    async def join(self, timeout_s: float) -> bool:
-        """Wait for the threads to leave after close(); False if one is still busy at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        while any(t.is_alive() for t in self._threads):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
-    def _work(self) -> None:
-        if self._init is not None:
-            try:
-                self._init()
-            except Exception:  # a set-up that fails must not leave the queue without this worker
-                log.exception("setting up the %s thread failed", self.name)
-        while (job := self._jobs.get()) is not None:
-            _run_job(*job)
-            del job  # drop this job's tensors now, not when the next job comes (which may be at exit)
-
-
-def _run_job(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], fn: Any, args: Any) -> None:
-    if future.cancelled():  # read across threads: at worst the work is done for nothing
-        return
-    try:
-        result, error = fn(*args), None
-    except BaseException as exc:
-        result, error = None, exc
-    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody is waiting
-        loop.call_soon_threadsafe(_settle, future, result, error)
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _run_here(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """fn(*args) now, on the event loop's thread, its result or error settled into a future (what a
-    Threads job gives, with no thread and no queue: nothing can cancel it before it runs)."""
-    future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-    try:
-        result, error = fn(*args), None
-    except Exception as exc:
-        result, error = None, exc
-    _settle(future, result, error)
-    return future
 
 
 def _at_item(error: BaseException, index: int) -> BaseException:
@@ -194,269 +106,6 @@ def _prepare_groups(items: Sequence[Item]) -> list[list[int]]:
     text = [i for i in plain if items[i].modality == "text"]
     media = [[i] for i in plain if items[i].modality != "text"]
     return ([text] if text else []) + media
-
-
-@dataclass(frozen=True)
-class Embedded:
-    vectors: np.ndarray  # (N, D) float32 unit rows, in item order
-    num_tokens: int  # sum of PreparedItem.num_tokens: what `usage` reports
-    # Items with segments: item index -> its spans in order and their (S, D) rows.
-    segments: dict[int, tuple[list[Span], np.ndarray]]
-    queue_s: float  # longest wait of one of its items for the GPU
-    inference_s: float  # summed time of the GPU batches that carried its items
-
-
-class _MediaBudget:
-    """Media soft tokens being decoded or decoded and not yet embedded, across all requests, held under
-    a limit: a media job starts only once its tokens fit, in arrival order.
-
-    Why: a decoded image holds ~7 kB of patches per soft token until its batch runs (a 1120-token image:
-    7.7 MB), and decoding runs ahead of the GPU; without a bound, memory grows with every image waiting
-    in any request. A job larger than the whole budget runs when nothing else holds any.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    async def acquire(self, tokens: int) -> None:
-        if not self._waiters and self._fits(tokens):
-            self.used += tokens
-            return
-        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((tokens, granted))
-        try:
-            await granted
-        except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():
-                self.release(tokens)  # granted, but its request ended meanwhile
-            else:
-                self._waiters = deque(w for w in self._waiters if w[1] is not granted)
-                self._grant()
-            raise
-
-    def release(self, tokens: int) -> None:
-        self.used -= tokens
-        self._grant()
-
-    def adjust(self, tokens: int) -> None:
-        """Hold `tokens` more (fewer, when negative) than was acquired, at once: a stream's step turned
-        out larger or smaller than its estimate. May pass the limit by one step's error."""
-        self.used += tokens
-        if tokens < 0:
-            self._grant()
-
-    def _fits(self, tokens: int) -> bool:
-        return self.used == 0 or self.used + tokens <= self.limit
-
-    def _grant(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            tokens, granted = self._waiters.popleft()
-            if not granted.done():
-                self.used += tokens
-                granted.set_result(None)
-
-
-class _Request:
-    """One call to embed(): its items' rows land here; done (any way) means dead."""
-
-    def __init__(self, n: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.future: asyncio.Future[None] = loop.create_future()
-        self.rows: list[np.ndarray | None] = [None] * n
-        self.spans: dict[int, dict[int, tuple[Span, np.ndarray]]] = {}  # item -> span index -> row
-        self.remaining = n  # rows not delivered yet, plus one per stream still preparing
-        self.expected = n  # items it has (its spans counted as they are cut)
-        self.segments = 0  # spans cut so far
-        self.admitted = n  # what it holds of the admission limit
-        self.num_tokens = 0
-        self.queue_s = 0.0
-        self.inference_s = 0.0
-        self.last_batch = -1
-        self.prep_futures: list[asyncio.Future[Any]] = []
-        # Set when the request ends: its decoding stops (engine.prepare_many checks it per frame / block).
-        self.cancel = threading.Event()
-        self.queued = 0  # items that reached the GPU queues
-        self.failed = 0  # items whose preparation failed (they fail the request; not "dropped")
-        self.refused = False  # refused by the cost check before any work: nothing to drop
-        self.held: dict[tuple[int, int], int] = {}  # (item, span or -1) -> its tokens in the media budget
-        # Its items in preprocessing jobs, by modality, and their estimated tokens (media; text 0).
-        self.preparing: Counter[str] = Counter()
-        self.preparing_tokens: Counter[str] = Counter()
-
-    @property
-    def dead(self) -> bool:
-        return self.future.done()
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
-
-    def deliver(self, work: _Work, row: np.ndarray, batch_id: int, batch_s: float) -> None:
-        span = work.item.span
-        if span is None:
-            self.rows[work.index] = row
-        else:
-            self.spans.setdefault(work.index, {})[span.index] = (span, row)
-        self.num_tokens += work.item.num_tokens
-        if batch_id != self.last_batch:
-            self.last_batch = batch_id
-            self.inference_s += batch_s
-        self.settle(1)
-
-    def settle(self, n: int) -> None:
-        """`n` rows (or a finished stream) fewer to wait for; done at none."""
-        self.remaining -= n
-        if self.remaining == 0 and not self.future.done():
-            self.future.set_result(None)
-
-    def embedded(self) -> Embedded:
-        rows = np.stack(self.rows)  # type: ignore[arg-type]  # every row was delivered
-        segments = {}
-        for index, spans in self.spans.items():
-            ordered = [spans[k] for k in sorted(spans)]
-            segments[index] = ([span for span, _ in ordered], np.stack([row for _, row in ordered]))
-        return Embedded(rows, self.num_tokens, segments, self.queue_s, self.inference_s)
-
-
-@dataclass(eq=False)
-class _Work:
-    request: _Request
-    index: int
-    item: PreparedItem
-    enqueued: float = field(default_factory=time.monotonic)
-
-    @property
-    def key(self) -> tuple[int, int]:
-        """Its slot in the request: (item, span index), -1 for the item itself."""
-        return self.index, -1 if self.item.span is None else self.item.span.index
-
-
-class _Turn:
-    """A request's items in one queue, oldest first, and when it joined the back of the line."""
-
-    def __init__(self, since: float) -> None:
-        self.items: deque[_Work] = deque()
-        self.since = since
-
-
-class _Queue:
-    """Prepared items of one modality, as a line of requests that take turns.
-
-    Each batch is the turn of the request at the front of the line: its items first (its first item
-    plus those closest to it in cost, from its next `window`), then, while the batch has room, items
-    of the requests behind it (the next `window` in line order) in rounds: every request's first
-    item, closest in cost to the batch's first item first, then every request's second, and so on.
-    After its turn a request with items left goes to the back of the line; one with none leaves,
-    and its next item joins at the back (so does one emptied by a fill).
-
-    - Single-item requests: first-in-first-out, grouped by cost within the window, as a plain
-      queue would.
-    - A request of many batches (a long file in segments, a bulk call) runs one batch as the front
-      and then waits behind every request queued after it for its next turn; behind others it
-      fills only what their rounds leave. A query behind 1.8 M tokens waits for about one batch
-      per request ahead of it in line, not for all 1.8 M tokens.
-    - Requests of several items each run within one batch where they fit one (two calls of 8
-      images share a batch of 16), in the order they joined, rather than interleaved in the order
-      their items finished decoding. The cost: where they do not fit together, batches are grouped
-      by cost within each request's turn, so where batches are padded to their longest item
-      (audio), several multi-clip requests of mixed lengths pad more than one cost-sorted stream of
-      all their clips would.
-
-    A batch costs O(window) whatever the depth of the queue (drop_dead, run when a request ends,
-    walks the line)."""
-
-    def __init__(self) -> None:
-        self.line: OrderedDict[_Request, _Turn] = OrderedDict()  # front first
-        self.tokens = 0  # summed cost of the queued items
-        self._n = 0
-
-    def __len__(self) -> int:
-        return self._n
-
-    @property
-    def head(self) -> _Work:
-        """The item the next batch starts with: the front request's first."""
-        return next(iter(self.line.values())).items[0]
-
-    @property
-    def since(self) -> float:
-        """When the front request joined the line: its first item's arrival, or when its last turn
-        was taken. The queue delay and the choice between modalities count from it."""
-        return next(iter(self.line.values())).since
-
-    def append(self, work: _Work) -> None:
-        turn = self.line.get(work.request)
-        if turn is None:
-            turn = self.line[work.request] = _Turn(work.enqueued)
-        turn.items.append(work)
-        self.tokens += work.item.cost
-        self._n += 1
-
-    def drop_dead(self) -> int:
-        dropped = 0
-        for request in [r for r in self.line if r.dead]:
-            turn = self.line.pop(request)
-            dropped += len(turn.items)
-            self.tokens -= sum(w.item.cost for w in turn.items)
-        self._n -= dropped
-        return dropped
-
-    def take(self, max_tokens: int, max_items: int, window: int) -> list[_Work]:
-        """The front request's turn: a batch under both budgets, as the class says."""
-        turns = iter(self.line.items())
-        front, first = next(turns)
-        seen = {front: list(itertools.islice(first.items, window + 1))}  # request -> its looked-at prefix
-        head = seen[front][0]
-        batch, tokens = [head], head.item.cost
-
-        def fill(candidates: list[_Work]) -> None:
-            nonlocal tokens
-            for work in sorted(candidates, key=lambda w: abs(w.item.cost - head.item.cost)):
-                if len(batch) == max_items:
-                    return
-                if tokens + work.item.cost <= max_tokens:
-                    batch.append(work)
-                    tokens += work.item.cost
-
-        fill(seen[front][1:])
-        if len(batch) < max_items:  # the requests behind: round i holds each one's i-th item
-            rounds: list[list[_Work]] = [[]]
-            looked = 0
-            for request, turn in turns:
-                if looked >= window:
-                    break
-                if len(turn.items) == 1:  # the common case, kept cheap
-                    rounds[0].append(turn.items[0])
-                    looked += 1
-                    continue
-                prefix = seen[request] = list(itertools.islice(turn.items, window - looked))
-                looked += len(prefix)
-                rounds += [[] for _ in range(len(prefix) - len(rounds))]
-                for i, work in enumerate(prefix):
-                    rounds[i].append(work)
-            for candidates in rounds:
-                if len(batch) == max_items:
-                    break
-                fill(candidates)
-
-        taken = {id(w) for w in batch}
-        for request in dict.fromkeys(w.request for w in batch):  # each prefix, less what was taken
-            turn = self.line[request]
-            prefix = seen.get(request) or [turn.items[0]]
-            for _ in prefix:
-                turn.items.popleft()
-            turn.items.extendleft(reversed([w for w in prefix if id(w) not in taken]))
-            if not turn.items and request is not front:
-                del self.line[request]
-        if first.items:  # its turn is over: to the back of the line
-            self.line.move_to_end(front)
-            first.since = time.monotonic()
-        else:
-            del self.line[front]
-        self.tokens -= tokens
-        self._n -= len(batch)
-        return sorted(batch, key=lambda w: w.item.cost)
 
 
 class Batcher:
@@ -496,18 +145,18 @@ class Batcher:
         self._inline_chars = inline_prepare_chars  # a request's text up to this size skips the pool
         self._max_request_tokens = max_request_tokens
         self._max_request_segments = max_request_segments
-        self.media_budget = _MediaBudget(max_prepared_media_tokens)
+        self.media_budget = MediaBudget(max_prepared_media_tokens)
         self._window = 8 * max_batch_items  # items looked at when grouping by cost
         self._prep = Threads(preprocess_workers, "eg2-prepare", engine.init_prepare_thread)
         self._procs = engine.prepare_processes(prepare_processes) if prepare_processes > 0 else None
         self._gpu = gpu_thread or Threads(1, "eg2-gpu")  # the one thread that ever calls engine.embed
-        self._queues: dict[str, _Queue] = {}
+        self._queues: dict[str, ModalityQueue] = {}
         # Items of admitted requests still in preprocessing, by modality: the companions worth waiting
         # for. With none on the way a batch runs at once (a lone request pays no queue delay).
         self._preparing: Counter[str] = Counter()
         self._dead_queued = False  # a request ended with items still queued: sweep before the next batch
         self._wakeup = asyncio.Event()
-        self._live: set[_Request] = set()
+        self._live: set[EmbedCall] = set()
         self._batch_ids = itertools.count()
         self._scheduler: asyncio.Task[None] | None = None
         self.admitted = 0
@@ -607,7 +256,7 @@ class Batcher:
         (disconnect, timeout)."""
         n = len(items)
         self._admit(n)
-        request = _Request(n, asyncio.get_running_loop())
+        request = EmbedCall(n, asyncio.get_running_loop())
         self._live.add(request)
         feeders: list[asyncio.Task[None]] = []
         try:
@@ -670,7 +319,7 @@ class Batcher:
         same admission and cost check; on a preprocess thread."""
         n = len(items)
         self._admit(n)
-        request = _Request(n, asyncio.get_running_loop())
+        request = EmbedCall(n, asyncio.get_running_loop())
         try:
             await self._check_cost(request, items, options)
             job = self._prep.submit(self._engine.tokenize_many, items, options, request.cancel)
@@ -688,7 +337,7 @@ class Batcher:
 
     def _submit(
         self,
-        request: _Request,
+        request: EmbedCall,
         items: Sequence[Item],
         group: list[int],
         options: PrepareOptions,
@@ -699,7 +348,7 @@ class Batcher:
         modality = items[group[0]].modality  # a group is one modality (text, or one media item)
         job = [items[i] for i in group]
         if modality == "text" and self._inline(job, options):
-            prep = _run_here(self._prepare, job, options, None)  # a hop costs more than tokenizing
+            prep = run_here(self._prepare, job, options, None)  # a hop costs more than tokenizing
         elif modality != "text" and self._procs is not None:
             prep = self._in_process(job, options)
         else:
@@ -728,7 +377,7 @@ class Batcher:
 
     async def _feed(
         self,
-        request: _Request,
+        request: EmbedCall,
         items: Sequence[Item],
         groups: list[list[int]],
         costs: list[int],
@@ -745,7 +394,7 @@ class Batcher:
             self._submit(request, items, group, options, tokens=tokens)
 
     async def _stream(
-        self, request: _Request, index: int, item: Item, estimate: Estimate, options: PrepareOptions
+        self, request: EmbedCall, index: int, item: Item, estimate: Estimate, options: PrepareOptions
     ) -> None:
         """Feed one item with segments: a step of up to STREAM_STEP_SPANS spans at a time on a
         preprocess thread, each started once its estimated tokens fit the media budget; what a step
@@ -821,14 +470,14 @@ class Batcher:
         )
 
     async def _check_cost(
-        self, request: _Request, items: Sequence[Item], options: PrepareOptions
+        self, request: EmbedCall, items: Sequence[Item], options: PrepareOptions
     ) -> list[Estimate]:
         """Refuse the request before any decoding or tokenizing when its estimated cost (headers, durations,
         characters: engine.estimate_many) is over the per-request limits (tokens, segments), or an item's
         headers already prove it will fail. Media headers are read on a preprocessing thread, text is
         counted here."""
         if all(item.modality == "text" for item in items):
-            estimate = _run_here(self._engine.estimate_many, items, options)
+            estimate = run_here(self._engine.estimate_many, items, options)
         else:
             estimate = self._prep.submit(self._engine.estimate_many, items, options)
             request.prep_futures.append(estimate)  # skipped if the client leaves before it runs
@@ -875,7 +524,7 @@ class Batcher:
 
     def _prepared(
         self,
-        request: _Request,
+        request: EmbedCall,
         indices: list[int],
         modality: str,
         tokens: int,
@@ -901,15 +550,15 @@ class Batcher:
             return  # counted as dropped where the request ended
         self._enqueue(request, list(zip(indices, results, strict=True)))
 
-    def _enqueue(self, request: _Request, items: list[tuple[int, PreparedItem]], hold: bool = False) -> None:
+    def _enqueue(self, request: EmbedCall, items: list[tuple[int, PreparedItem]], hold: bool = False) -> None:
         """Prepared items of a request into their modality's queue. `hold`: each keeps its cost in the
         media budget until embedded (a stream's steps acquired it)."""
         request.queued += len(items)
         for index, item in items:
-            work = _Work(request, index, item)
+            work = Work(request, index, item)
             if hold:
                 request.held[work.key] = item.cost
-            self._queues.setdefault(item.modality, _Queue()).append(work)
+            self._queues.setdefault(item.modality, ModalityQueue()).append(work)
         for kind in {item.modality for _, item in items}:  # the queues these items joined
             self._metrics.queue_depth.labels(kind).set(len(self._queues[kind]))
 
@@ -937,9 +586,9 @@ class Batcher:
                 self._metrics.dropped_items.labels("gpu_queue").inc(dropped)
                 self._metrics.queue_depth.labels(modality).set(len(q))
 
-    async def _next_batch(self) -> list[_Work]:
+    async def _next_batch(self) -> list[Work]:
         """The next batch: the modalities with queued items are looked at in the order their front
-        requests joined their lines (_Queue.since), and the first whose batch is ready (full, nothing
+        requests joined their lines (ModalityQueue.since), and the first whose batch is ready (full, nothing
         more of its modality in preprocessing, or its deadline passed) runs; else wait for the nearest
         deadline or a change. A request of many batches rejoins the back after each turn, so it does not hold
         another modality's older items behind all of its batches. A modality waiting for its items
@@ -968,10 +617,10 @@ class Batcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), min(waits))
 
-    def _deadline(self, q: _Queue, tokens: int) -> float:
+    def _deadline(self, q: ModalityQueue, tokens: int) -> float:
         """When the batch that the queue's front request starts closes, unless it fills first or
         nothing more of its modality is in preprocessing: max_queue_delay after the front request
-        joined the line or had its last turn (_Queue.since), and the request gather past that while
+        joined the line or had its last turn (ModalityQueue.since), and the request gather past that while
         that request still has media of its modality in preprocessing (a stream's steps are not
         counted), until the batch holds its share (_share) of the queue and those items.
 
@@ -991,7 +640,7 @@ class Batcher:
             deadline += self._gather_s
         return deadline
 
-    def _share(self, q: _Queue, pending: int, pending_tokens: int, tokens: int) -> int:
+    def _share(self, q: ModalityQueue, pending: int, pending_tokens: int, tokens: int) -> int:
         """How many items a batch should hold of the queue plus `pending` items still decoding
         (`pending_tokens` by their header estimates: text at one token per character, so an item
         with much text may look larger than it is): all of them when they fit one batch, else an
@@ -1013,7 +662,7 @@ class Batcher:
             raise EngineError(f"engine returned {shape} for a batch of {len(batch)}")
         return vectors
 
-    async def _run(self, batch: list[_Work]) -> None:
+    async def _run(self, batch: list[Work]) -> None:
         live = [w for w in batch if not w.request.dead]
         if len(live) < len(batch):
             self._metrics.dropped_items.labels("gpu_queue").inc(len(batch) - len(live))

@@ -28,12 +28,14 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from app.batcher import JOIN_TIMEOUT_S, Batcher, Embedded, Threads
+from app.batcher import Batcher
 from app.cores import usable_cores
 from app.errors import ModelNotFound, Unavailable, clip
 from app.metrics import Metrics
+from app.queues import Embedded
 from app.schemas import InputRequest
 from app.settings import Settings
+from app.threads import JOIN_TIMEOUT_S, Threads
 from eg2_runtime.api import EngineAPI, TokenCount
 from eg2_runtime.errors import EG2Error
 from eg2_runtime.inputs import Item, PrepareOptions, resolve_prompt

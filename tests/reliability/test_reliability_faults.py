@@ -34,9 +34,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.batcher import JOIN_TIMEOUT_S, Batcher
+from app.batcher import Batcher
 from app.metrics import Metrics
 from app.service import State
+from app.threads import JOIN_TIMEOUT_S
 from benchmarks.server_process import wait_listening
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.batcher import INLINE_MAX_ITEMS, STREAM_STEP_SPANS, Batcher, Embedded, step_size
+from app.batcher import INLINE_MAX_ITEMS, STREAM_STEP_SPANS, Batcher, step_size
 from app.errors import Overloaded, classify
 from app.metrics import Metrics
+from app.queues import Embedded
 from eg2_runtime.api import Estimate
 from eg2_runtime.errors import EngineOutOfMemory, InputTooLargeError
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, Segments, TextPart
