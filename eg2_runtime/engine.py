@@ -135,7 +135,8 @@ class EngineOptions:
     # prepare_many's media threads. Images scale with threads (H200 host, 16 images: 20 ms each on
     # 1 thread, 5.2 on 16). Audio did not (7.7 ms per clip on 1 to 16 threads) until numpy's BLAS
     # was held to one thread (single_threaded_numpy_blas): 16 clips on 2 threads of the 2-core dev
-    # machine, 2.75 -> 1.86 ms per clip (a lone clip 2.20 -> 2.75 ms; git history: docs/results/2026-11-30-cpu/).
+    # machine, 2.75 -> 1.86 ms per clip (a lone clip 2.20 -> 2.75 ms; git history:
+    # docs/results/2026-11-30-cpu/).
     prepare_threads: int = min(16, os.cpu_count() or 1)
     # The per-thread stack bytes the CUDA context reserves local memory for (gpu_memory.
     # set_cuda_stack_limit): 256 instead of the runtime's 1,024 gives back ~200 MiB of process

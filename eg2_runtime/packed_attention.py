@@ -48,12 +48,12 @@ FLASH_MAX_HEAD_DIM = 256
 # FP32 accumulator, 8 kB a token at head_dim 512, was the largest part of an 8,192-token forward's
 # peak (24 kB a token, H200, benchmarks/probe_costs.py). At or below it, one call: cut at 1,024 the
 # 2,200-token document's batch took 8.84 ms (ca521ee) against 7.50 uncut (a8e7985), two runs on the
-# H200 the same day (docs/PERF.md), so every start-up bucket (up to
-# memory_plan.MIN_GRAPH_TEXT_TOKENS) runs as before and only longer batches are cut. text.MLP_ROWS is the same number, for the same reason. Each chunk's output overwrites its
-# own rows of q, which no other chunk reads: an 8,192-token forward no longer holds a whole output
-# beside q (32 MiB; its allocator peak 176 MiB, H200, 2026-12-03, benchmarks/probe_live_sets.py; 144
-# measured with 2,048-token chunks, where the merged q, k, v product beside q, k and v is the peak,
-# which 4,096-token chunks reach too).
+# H200 the same day (docs/PERF.md), so every start-up bucket (up to memory_plan.MIN_GRAPH_TEXT_TOKENS)
+# runs as before and only longer batches are cut. text.MLP_ROWS is the same number, for the same
+# reason. Each chunk's output overwrites its own rows of q, which no other chunk reads: an
+# 8,192-token forward no longer holds a whole output beside q (32 MiB; its allocator peak 176 MiB,
+# H200, 2026-12-03, benchmarks/probe_live_sets.py; 144 measured with 2,048-token chunks, where the
+# merged q, k, v product beside q, k and v is the peak, which 4,096-token chunks reach too).
 QUERY_ROWS = MIN_GRAPH_TEXT_TOKENS
 
 # FlexAttention tile sizes by (dtype, head_dim); inductor's defaults elsewhere. At 512 in BF16 a
