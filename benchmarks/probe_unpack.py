@@ -153,9 +153,26 @@ def _lab_kernel(kind: str) -> None:
     """Replace the unpack kernel the Unpacker launches, for timing only: "skip" launches nothing (the
     matmuls read whatever the scratch holds: the forward with the unpacks' cost removed and the
     graph's events and edges kept); "ctas:N" runs the same arithmetic in N persistent programs, each
-    looping over blocks, so the unpack holds at most N SMs' worth of blocks beside the matmuls."""
-    from eg2_runtime import unpack_triton
+    looping over blocks, so the unpack holds at most N SMs' worth of blocks beside the matmuls;
+    "serial" enqueues each unpack on the towers' own stream instead of the side stream (a graph then
+    has no fork and join per group: the unpacks run between the matmuls, never beside them), and
+    "serial-skip" does that and launches nothing (neither the unpacks' cost nor the graph's edges)."""
+    from eg2_runtime import quant, unpack_triton
 
+    if kind.startswith("serial"):
+        enqueue = quant.Unpacker._enqueue_unpack
+
+        def on_main(self: Any, group: int, slot: int) -> None:
+            side, self.stream = self.stream, self.main  # the side stream's waits become no-ops
+            try:
+                enqueue(self, group, slot)
+            finally:
+                self.stream = side
+
+        quant.Unpacker._enqueue_unpack = on_main  # type: ignore[method-assign]
+        kind = kind.removeprefix("serial").removeprefix("-") or "fused"
+    if kind == "fused":
+        return
     if kind == "skip":
         vars(unpack_triton)["dequantize_run"] = lambda words, scales, out: out
         return
@@ -247,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-words", default="", help="also run ahead 1 with these kernel block sizes")
     ap.add_argument("--per-slot", default="", help="also run ahead 1 with these unpack group caps")
     ap.add_argument(
-        "--kernel", default="", help="also run ahead 1 with these lab unpack kernels (skip, ctas:N)"
+        "--kernel",
+        default="",
+        help="also run ahead 1 with these lab unpack kernels (skip, ctas:N, serial, serial-skip)",
     )
     ap.add_argument("--repeat", type=int, default=1, help="run the variant list this many times [1]")
     ap.add_argument("--trace", action="store_true", help="sum each traced row's kernels by kind")
