@@ -42,12 +42,16 @@ from functools import partial
 
 import torch
 
-from eg2_runtime.graphs import BATCH_LADDER as ITEM_LADDER
 from eg2_runtime.graphs import GraphPool, rung
 from eg2_runtime.model import EG2Model
 
 log = logging.getLogger(__name__)
 
+# Items a tower bucket holds. A batch pads up to the next rung with fully padded items, which cost the
+# tower as much as real ones, so the small rungs are ~1.5x apart, not 2x as the text graphs' rows are:
+# 5 clips pad to 6, not 8, and 16 images under a 7-image bound run as 6 + 6 + 4, not 4 x 4. A rung a
+# batch uses is one more graph, captured on first use within the pool's budget (memory_plan.py).
+ITEM_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
 FRAMES_PER_TOKEN = 4  # the audio tower halves the time axis twice
 # A tower's padded step: static inputs -> (soft tokens (Nb, M, H), used (Nb, M)).
