@@ -48,9 +48,9 @@ from eg2_runtime.model import EG2Model
 log = logging.getLogger(__name__)
 
 # Items a tower bucket holds. A batch pads up to the next rung with fully padded items, which cost the
-# tower as much as real ones, so the small rungs are ~1.5x apart, not 2x as the text graphs' rows are:
-# 5 clips pad to 6, not 8, and 16 images under a 7-image bound run as 6 + 6 + 4, not 4 x 4. A rung a
-# batch uses is one more graph, captured on first use within the pool's budget (memory_plan.py).
+# tower as much as real ones, so past 2 the rungs are ~1.5x apart (a third of a bucket padded at most)
+# where the text graphs' rows double (half): 5 clips pad to 6. A rung a batch uses is one more graph,
+# captured on first use within the pool's budget (graphs.GraphPool).
 ITEM_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
 FRAMES_PER_TOKEN = 4  # the audio tower halves the time axis twice
@@ -190,7 +190,7 @@ class GraphedTowers:
             rows = min(max(usable), n - i)
             nb = min(r for r in usable if r >= rows)
             if nb != rung(ITEM_LADDER, rows) and (fitting := [r for r in usable if r <= rows]):
-                rows = nb = max(fitting)  # the natural rung refused: no padding into a far larger one
+                rows = nb = max(fitting)  # the natural rung refused: no padding into a larger one
             part = self._run(
                 (kind, nb, size), partial(buffers, nb), fills, step, tuple(x[i : i + rows] for x in inputs)
             )

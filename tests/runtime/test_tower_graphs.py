@@ -15,10 +15,10 @@ import torch
 
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
-from eg2_runtime.graphs import GraphPool
+from eg2_runtime.graphs import GraphPool, rung
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
-from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers, _chunked
+from eg2_runtime.tower_graphs import FRAME_LADDER, ITEM_LADDER, GraphedTowers, _chunked
 
 TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding
 
@@ -319,3 +319,11 @@ def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: E
     assert not towers.graphs and not towers.refused and towers.deferred == {image}, "passed over"
     towers.capture_startup(70, audio=False)
     assert set(towers.graphs) == {image} and not towers.deferred, "with nothing to follow it fits"
+
+
+def test_a_tower_batch_pads_less_than_a_third_of_its_bucket() -> None:
+    """Every batch size the item ladder holds pads less than a third of its bucket with fully padded
+    items (which cost the tower as much as real ones): powers of two padded up to half."""
+    for n in range(1, ITEM_LADDER[-1] + 1):
+        bucket = rung(ITEM_LADDER, n)
+        assert bucket is not None and 3 * (bucket - n) < bucket, f"{n} items pad to {bucket}"
