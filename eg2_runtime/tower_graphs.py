@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # tower as much as real ones, so past 2 the rungs are ~1.5x apart (a third of a bucket padded at most)
 # where the text graphs' rows double (half): 5 clips pad to 6. A rung a batch uses is one more graph,
 # captured on first use within the pool's budget (graphs.GraphPool).
-ITEM_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+ITEM_LADDER: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
 FRAMES_PER_TOKEN = 4  # the audio tower halves the time axis twice
 # A tower's padded step: static inputs -> (soft tokens (Nb, M, H), used (Nb, M)).
