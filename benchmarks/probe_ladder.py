@@ -22,12 +22,15 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from app.service import GPU_BATCH_TOKENS
 from app.settings import Settings
+from benchmarks.inprocess import device_times_ms
+from benchmarks.timing import Budget
 from benchmarks.workloads import DEFAULT_CACHE, checkpoints
 from eg2_runtime import samples, tower_graphs
 from eg2_runtime.api import PreparedItem
@@ -36,6 +39,7 @@ from eg2_runtime.inputs import Item, MediaPart, PrepareOptions
 from eg2_runtime.memory_plan import MIB
 
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)  # the text graphs' rows, which the towers took before
+ROUND = Budget(seconds=0.0, warmup=0, min_rounds=5, max_rounds=5, cap_s=float("inf"))  # 5 embeds a batch
 
 
 def main() -> None:
@@ -66,12 +70,8 @@ def main() -> None:
         assert len(prepared[name]) == len(items), f"{name}: {batch}"
     ladders = {"ladder": tower_graphs.ITEM_LADDER, "powers of two": POWERS_OF_TWO}
 
-    def embed_ms(name: str) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.embed(prepared[name])  # returns host vectors: the batch's end is synced
-        return 1e3 * (time.perf_counter() - start)
+    # Host-clock ms of an embed (it returns host vectors, so each ends synced), as the bench times one.
+    embeds = partial(device_times_ms, device=torch.device("cpu"), budget=ROUND)
 
     times: dict[str, dict[str, list[float]]] = {name: {lad: [] for lad in ladders} for name in cases}
     refused: dict[str, list[str]] = {}
@@ -80,13 +80,13 @@ def main() -> None:
             tower_graphs.ITEM_LADDER = ladder
             for name in cases:
                 for _ in range(3):
-                    embed_ms(name)
+                    engine.embed(prepared[name])
             refused[lad] = sorted(str(k) for k in engine.towers.refused) if engine.towers else []
         for r in range(args.rounds):
             for lad in list(ladders)[:: 1 if r % 2 == 0 else -1]:
                 tower_graphs.ITEM_LADDER = ladders[lad]
                 for name in cases:
-                    times[name][lad] += [embed_ms(name) for _ in range(5)]
+                    times[name][lad] += embeds(partial(engine.embed, prepared[name]))
     finally:
         tower_graphs.ITEM_LADDER = ladders["ladder"]
     medians = {
