@@ -159,7 +159,7 @@ def _lab_kernel(kind: str) -> None:
     "serial-skip" does that and launches nothing (neither the unpacks' cost nor the graph's edges)."""
     from eg2_runtime import quant, unpack_triton
 
-    if kind.startswith("serial"):
+    if kind in ("serial", "serial-skip"):
         enqueue = quant.Unpacker._enqueue_unpack
 
         def on_main(self: Any, group: int, slot: int) -> None:
@@ -170,10 +170,9 @@ def _lab_kernel(kind: str) -> None:
                 self.stream = side
 
         quant.Unpacker._enqueue_unpack = on_main  # type: ignore[method-assign]
-        kind = kind.removeprefix("serial").removeprefix("-") or "fused"
-    if kind == "fused":
-        return
-    if kind == "skip":
+        if kind == "serial":
+            return
+    if kind in ("skip", "serial-skip"):
         vars(unpack_triton)["dequantize_run"] = lambda words, scales, out: out
         return
     import torch
