@@ -2,7 +2,7 @@
 
     python -m benchmarks.probe_unpack --out DIR [--ahead 1,2,3] [--priority] [--main-priority]
                                       [--block-words 128,2048] [--per-slot 0,1] [--repeat N] [--trace]
-                                      [--seconds S]
+                                      [--seconds S] [--budget-mib 8000]
     python -m benchmarks.probe_unpack --out /tmp/pu --device cpu --size tiny --seconds 0.1   # dry run
 
 For `eg2 bench`'s packed / BF16 cells on the media rows. Each variant runs in its own process, booted
@@ -25,7 +25,10 @@ that many times, alternated, BF16 included. `--trace` profiles five forwards of 
 and audio_short/b1 per variant and sums their kernels' device time by kind (kernel_summary): whether
 a packed forward loses its time to slower matmuls beside the unpacks or to the unpacks themselves.
 `--per-slot` runs ahead 1 with unpack groups of at most that many times the largest layer's weights
-(loader.LAYERS_PER_SLOT; 0: one launch a layer).
+(loader.LAYERS_PER_SLOT; 0: one launch a layer). `--budget-mib` also runs ahead 1 and BF16 at each of
+these budgets (BF16's plus what its weights add), where the pool admits larger tower buckets: a
+batch then runs in fewer graph replays, and so unpacks each tower fewer times (a replay unpacks
+every packed layer once). The default-budget pair beside it says what the replays cost.
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 
@@ -41,6 +44,7 @@ from typing import Any
 
 from benchmarks.bench import matched_budget
 from benchmarks.workloads import DEFAULT_CACHE, FULL, checkpoints
+from eg2_runtime.memory_plan import DEFAULT_MEDIA_BUDGET, MIB
 
 ROWS = ("image/b1", "image/b8", "audio_short/b1", "audio_short/b8", "audio_long/b1", "video/b1", "video/b8")
 
@@ -262,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--block-words", default="", help="also run ahead 1 with these kernel block sizes")
     ap.add_argument("--per-slot", default="", help="also run ahead 1 with these unpack group caps")
+    ap.add_argument("--budget-mib", default="", help="also run ahead 1 and BF16 at these GPU memory budgets")
     ap.add_argument(
         "--kernel",
         default="",
@@ -303,6 +308,10 @@ def main(argv: list[str] | None = None) -> int:
             one[f"w4 per-slot {per_slot}"] = {"model_dir": w4, "per_slot": int(per_slot)}
         budget = matched_budget(bf16, w4) if args.device == "cuda" else None
         one["bf16"] = {"model_dir": bf16, "budget": budget}
+        for mib in filter(None, args.budget_mib.split(",")):
+            over = budget - DEFAULT_MEDIA_BUDGET if budget is not None else 0  # what BF16's weights add
+            one[f"w4 {mib} MiB"] = {"model_dir": w4, "budget": int(mib) * MIB}
+            one[f"bf16 {mib} MiB"] = {"model_dir": bf16, "budget": int(mib) * MIB + over}
         variants = {
             (name if r == 0 else f"{name} #{r + 1}"): v for r in range(args.repeat) for name, v in one.items()
         }
@@ -344,13 +353,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(results: dict[str, Any]) -> str:
-    """Forward ms per row and variant, each w4 variant's as a ratio of BF16's (BF16 ms / w4 ms)."""
+    """Forward ms per row and variant, each w4 variant's as a ratio of BF16's (BF16 ms / w4 ms): the
+    first BF16 run at the same --budget-mib, else the first at the default budget."""
     variants = {k: v for k, v in results["variants"].items() if "rows" in v}
-    base = variants.get("bf16", {}).get("rows", {})  # the first BF16 run
+
+    def base_of(name: str) -> dict[str, Any]:
+        budget = name.split(" #")[0].removeprefix("w4 ")
+        same = f"bf16 {budget}" if budget.endswith(" MiB") else "bf16"
+        return variants.get(same, {}).get("rows", {})
+
     lines = ["| row | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
     for row in ROWS:
         cells = []
-        for v in variants.values():
+        for name, v in variants.items():
+            base = base_of(name)
             r = v["rows"].get(row)
             if r is None:
                 cells.append("-")
