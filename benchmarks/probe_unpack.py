@@ -2,7 +2,7 @@
 
     python -m benchmarks.probe_unpack --out DIR [--ahead 1,2,3] [--priority] [--main-priority]
                                       [--block-words 128,2048] [--per-slot 0,1] [--repeat N] [--trace]
-                                      [--seconds S] [--budget-mib 8000]
+                                      [--seconds S] [--budget-mib 8000] [--layer-major 2]
     python -m benchmarks.probe_unpack --out /tmp/pu --device cpu --size tiny --seconds 0.1   # dry run
 
 For `eg2 bench`'s packed / BF16 cells on the media rows. Each variant runs in its own process, booted
@@ -29,6 +29,11 @@ a packed forward loses its time to slower matmuls beside the unpacks or to the u
 these budgets (BF16's plus what its weights add), where the pool admits larger tower buckets: a
 batch then runs in fewer graph replays, and so unpacks each tower fewer times (a replay unpacks
 every packed layer once). The default-budget pair beside it says what the replays cost.
+`--layer-major` also runs w4 and BF16 at each --budget-mib with the vision tower's attention and MLP
+taken that many images (or frames) at a time inside a bucket (the lab's `_layer_major`): a layer's
+unpacked weights serve every chunk before the next layer's unpack, so a bucket of 8 images unpacks
+the tower once with the attention and MLP intermediates of 2. The pool still sizes its buckets by
+the unchunked estimate, which is why it runs only at the --budget-mib budgets.
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 
@@ -68,6 +73,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         unpack_triton.BLOCK_WORDS = spec["block_words"]  # read by dequantize_run at each launch
     if spec.get("kernel"):
         _lab_kernel(spec["kernel"])
+    if spec.get("layer_major"):
+        _layer_major(spec["layer_major"])
     if spec.get("per_slot") is not None:
         from eg2_runtime import loader
 
@@ -223,6 +230,44 @@ def _persistent_kernel() -> Any:
     return kernel
 
 
+def _layer_major(items: int) -> None:
+    """Run each vision layer's attention and MLP `items` images at a time, the whole batch through one
+    layer before the next (lab only): the Unpacker keeps a group's slot for every call of its layers
+    until another group starts, so each group is unpacked once per forward however many chunks run."""
+    import torch
+
+    from eg2_runtime import vision
+
+    def chunked(forward: Any) -> Any:
+        """forward(x, *per_item) over `items` of dim 0 at a time, into one output of x's shape."""
+
+        def run(x: Any, *rest: Any) -> Any:
+            if x.shape[0] <= items:
+                return forward(x, *rest)
+            out = torch.empty_like(x)  # attention's o_proj and the MLP's down_proj map back to x's width
+            for i in range(0, x.shape[0], items):
+                out[i : i + items] = forward(
+                    x[i : i + items], *(r if r is None else r[i : i + items] for r in rest)
+                )
+            return out
+
+        return run
+
+    attend = vision.VisionAttention.forward
+    layer_forward = vision.VisionLayer.forward
+
+    def attention(self: Any, x: Any, cos: Any, sin: Any, mask: Any) -> Any:
+        return chunked(functools.partial(attend, self))(x, cos, sin, mask)
+
+    def layer(self: Any, x: Any, cos: Any, sin: Any, mask: Any) -> Any:
+        if "forward" not in vars(self.mlp):  # the MLP's own forward, by items, on this instance
+            self.mlp.forward = chunked(type(self.mlp).forward.__get__(self.mlp))
+        return layer_forward(self, x, cos, sin, mask)
+
+    vision.VisionAttention.forward = attention  # type: ignore[method-assign]
+    vision.VisionLayer.forward = layer  # type: ignore[method-assign]
+
+
 def _high_priority_stream(purpose: str) -> None:
     """Make the side stream for `purpose` ("unpack", or "capture": the stream the tower graphs are
     captured on) with the device's greatest stream priority; the other keeps the least."""
@@ -268,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-slot", default="", help="also run ahead 1 with these unpack group caps")
     ap.add_argument("--budget-mib", default="", help="also run ahead 1 and BF16 at these GPU memory budgets")
     ap.add_argument(
+        "--layer-major", default="", help="also run those with the vision layers in chunks of N items"
+    )
+    ap.add_argument(
         "--kernel",
         default="",
         help="also run ahead 1 with these lab unpack kernels (skip, ctas:N, serial, serial-skip)",
@@ -312,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
             over = budget - DEFAULT_MEDIA_BUDGET if budget is not None else 0  # what BF16's weights add
             one[f"w4 {mib} MiB"] = {"model_dir": w4, "budget": int(mib) * MIB}
             one[f"bf16 {mib} MiB"] = {"model_dir": bf16, "budget": int(mib) * MIB + over}
+            for n in filter(None, args.layer_major.split(",")):
+                one[f"w4 {mib} MiB lm{n}"] = one[f"w4 {mib} MiB"] | {"layer_major": int(n)}
+                one[f"bf16 {mib} MiB lm{n}"] = one[f"bf16 {mib} MiB"] | {"layer_major": int(n)}
         variants = {
             (name if r == 0 else f"{name} #{r + 1}"): v for r in range(args.repeat) for name, v in one.items()
         }
@@ -358,8 +409,8 @@ def table(results: dict[str, Any]) -> str:
     variants = {k: v for k, v in results["variants"].items() if "rows" in v}
 
     def base_of(name: str) -> dict[str, Any]:
-        budget = name.split(" #")[0].removeprefix("w4 ")
-        same = f"bf16 {budget}" if budget.endswith(" MiB") else "bf16"
+        rest = name.split(" #")[0].removeprefix("w4 ")  # "8000 MiB", "8000 MiB lm2", or the default's
+        same = f"bf16 {rest}" if " MiB" in rest else "bf16"
         return variants.get(same, {}).get("rows", {})
 
     lines = ["| row | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
