@@ -1,4 +1,5 @@
-"""Probe (GPU): the towers' item ladder (tower_graphs.ITEM_LADDER) against powers of two, in one engine.
+"""Probe (GPU): a finer item ladder for the tower buckets against the one they take (tower_graphs.ITEM_LADDER,
+powers of two), in one engine.
 
     python -m benchmarks.probe_ladder --out DIR [--rounds 6] [--budget-mib N]
     python -m benchmarks.probe_ladder --out /tmp/pl --device cpu --size tiny --rounds 1   # dry run
@@ -6,13 +7,15 @@
 Boots the hybrid-w4 engine on the full-size checkpoint as `eg2 serve` boots it (warm-up, start-up
 graphs), prepares tower batches whose sizes the two ladders pad differently (3, 5 and 6 clips of
 9.3 s, 3 images of 641x479), then times `Engine.embed` on each under either ladder: the module's
-ladder is swapped in place, so both run in the same process, on the same pool and the same host. Each
-ladder's buckets are captured first, untimed; then --rounds rounds of 5 embeds a batch, the ladders
-alternated and their order reversed each round. Both ladders' buckets share the one graph pool, the
-ladder's captured first, and a refusal is for good: a bucket refused to either (`refused`, listed after
-each ladder's captures) makes its batches run in smaller buckets, which the comparison then includes.
-`--budget-mib` gives the process (and so the pool) more room, where neither should be refused. The CPU
-dry run only runs the plumbing: a CPU engine has no graphs, so the ladder changes nothing there.
+ladder is swapped in place (and put back), so both run in the same process, on the same pool and the
+same host. Each ladder's buckets are captured first, untimed (the finer one's first); then --rounds
+rounds of 5 embeds a batch, the ladders alternated and their order reversed each round. Both
+ladders' buckets share the one graph pool, and a refusal is for good: a bucket refused to either
+(`refused`, listed after each ladder's captures) makes its batches run in smaller buckets, which the
+comparison then includes. `--budget-mib` gives the process (and so the pool) more room, where neither
+should be refused. What the extra rungs cost a server (captures on first use, the pool they hold)
+only the bench shows. The CPU dry run only runs the plumbing: a CPU engine has no graphs, so the
+ladder changes nothing there.
 Writes ladder.json into DIR (medians, every time, the graphs) and prints the medians.
 """
 
@@ -38,7 +41,7 @@ from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions
 from eg2_runtime.memory_plan import MIB
 
-POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)  # the text graphs' rows, which the towers took before
+FINER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a third of a bucket padded at most, not half
 ROUND = Budget(seconds=0.0, warmup=0, min_rounds=5, max_rounds=5, cap_s=float("inf"))  # 5 embeds a batch
 
 
@@ -68,7 +71,8 @@ def main() -> None:
         batch = engine.prepare_many(items, PrepareOptions())
         prepared[name] = [p for p in batch if isinstance(p, PreparedItem)]
         assert len(prepared[name]) == len(items), f"{name}: {batch}"
-    ladders = {"ladder": tower_graphs.ITEM_LADDER, "powers of two": POWERS_OF_TWO}
+    served = tower_graphs.ITEM_LADDER
+    ladders = {"finer": FINER, "powers of two": served}
 
     # Host-clock ms of an embed (it returns host vectors, so each ends synced), as the bench times one.
     embeds = partial(device_times_ms, device=torch.device("cpu"), budget=ROUND)
@@ -88,7 +92,7 @@ def main() -> None:
                 for name in cases:
                     times[name][lad] += embeds(partial(engine.embed, prepared[name]))
     finally:
-        tower_graphs.ITEM_LADDER = ladders["ladder"]
+        tower_graphs.ITEM_LADDER = served
     medians = {
         name: {lad: round(statistics.median(t), 3) for lad, t in by.items()} for name, by in times.items()
     }

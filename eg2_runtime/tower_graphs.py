@@ -42,16 +42,16 @@ from functools import partial
 
 import torch
 
-from eg2_runtime.graphs import GraphPool, rung
+from eg2_runtime.graphs import BATCH_LADDER, GraphPool, rung
 from eg2_runtime.model import EG2Model
 
 log = logging.getLogger(__name__)
 
-# Items a tower bucket holds. A batch pads up to the next rung with fully padded items, which cost the
-# tower as much as real ones, so past 2 the rungs are ~1.5x apart (a third of a bucket padded at most)
-# where the text graphs' rows double (half): 5 clips pad to 6. A rung a batch uses is one more graph,
-# captured on first use within the pool's budget (graphs.GraphPool).
-ITEM_LADDER: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# Items a tower bucket holds: the text graphs' rows, powers of two. A finer ladder (1, 2, 3, 4, 6, 8,
+# 12, ...) pads less and ran such batches faster in one engine, but served it captured more graphs on
+# first use and held more of the pool for them, and 16 clients of clips got fewer per second
+# (docs/PERF.md, "Tried and not kept"). benchmarks/probe_ladder.py compares the two.
+ITEM_LADDER: tuple[int, ...] = BATCH_LADDER
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
 FRAMES_PER_TOKEN = 4  # the audio tower halves the time axis twice
 # A tower's padded step: static inputs -> (soft tokens (Nb, M, H), used (Nb, M)).

@@ -15,10 +15,10 @@ import torch
 
 from eg2_runtime import samples
 from eg2_runtime.engine import Engine, EngineOptions
-from eg2_runtime.graphs import GraphPool, rung
+from eg2_runtime.graphs import GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
-from eg2_runtime.tower_graphs import FRAME_LADDER, ITEM_LADDER, GraphedTowers, _chunked
+from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers, _chunked
 
 TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding
 
@@ -61,7 +61,7 @@ COUNTED = pytest.mark.parametrize("counted", [True, False], ids=["count", "no-co
     "images",
     [
         [(64, 48)],  # one image: bucket 1, padding patches of its own (an aspect ratio off the grid)
-        [(64, 48), (48, 64), (96, 96), (80, 48), (48, 48)],  # 5 -> bucket 6: a fully padded image
+        [(64, 48), (48, 64), (96, 96)],  # 3 -> bucket 4: a fully padded image
     ],
 )
 def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, int]], counted: bool) -> None:
@@ -75,7 +75,7 @@ def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, i
     _close(got, expected)
     assert torch.equal(got, again)
     towers.check_counts()
-    assert [key[:2] for key in towers.graphs] == [("image", 1 if len(images) == 1 else 6)]  # padded to a rung
+    assert [key[:2] for key in towers.graphs] == [("image", 1 if len(images) == 1 else 4)]  # padded to a rung
 
 
 @COUNTED
@@ -83,7 +83,7 @@ def test_image_buckets_equal_the_tower(engine: Engine, images: list[tuple[int, i
     "seconds",
     [
         [1.0],  # one clip: frames padded up the ladder
-        [2.5, 0.4, 1.3, 0.7, 1.9],  # 5 clips of different lengths -> bucket 6, each padded to the longest
+        [2.5, 0.4, 1.3],  # 3 clips of different lengths -> bucket 4, each padded to the longest rung
     ],
 )
 def test_audio_buckets_equal_the_tower(engine: Engine, seconds: list[float], counted: bool) -> None:
@@ -99,7 +99,7 @@ def test_audio_buckets_equal_the_tower(engine: Engine, seconds: list[float], cou
     _close(got, expected)
     _close(smaller, alone)  # a buffer left holding a longer input is re-padded, not read
     towers.check_counts()
-    (key,) = [k for k in towers.graphs if k[1] == (1 if len(seconds) == 1 else 6)]
+    (key,) = [k for k in towers.graphs if k[1] == (1 if len(seconds) == 1 else 4)]
     assert key[2] > features.shape[1]  # frames padded up the ladder too
 
 
@@ -245,7 +245,7 @@ def test_batches_past_the_largest_bucket_run_as_several(
 
 def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engine) -> None:
     """A pool whose budget holds 2 images' patch slots and two graphs' executables: 5 images the plan's bound allows in one
-    bucket of 6 run as buckets of 2, 2 and 1 (not as a refused bucket of 6 padded and run eagerly);
+    bucket of 8 run as buckets of 2, 2 and 1 (not as a refused bucket of 8 padded and run eagerly);
     a clip bucket the pool refuses at every size leaves the clips to the eager tower, unpadded."""
     images = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(5)]
     _, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
@@ -265,16 +265,16 @@ def test_a_bucket_the_pool_refuses_hands_its_items_to_smaller_ones(engine: Engin
         _close(towers.image_soft_tokens(pixels, positions), engine.model.image_soft_tokens(pixels, positions))
         _close(audio.audio_soft_tokens(features, mask), engine.model.audio_soft_tokens(features, mask))
     assert sorted(k[1] for k in towers.graphs) == [1, 2], "5 images run as 2 + 2 + 1"
-    assert {("image", 6, s), ("image", 4, s), ("image", 3, s)} <= towers.refused
+    assert {("image", 8, s), ("image", 4, s)} <= towers.refused
     assert not audio.graphs and audio.refused, "every clip bucket refused: the tower runs eagerly"
     gap = GraphedTowers(engine.model, capture=False, **UNBOUNDED)
-    gap.refused.add(("image", 3, s))  # 3 images' own rung refused, 4 still open
+    gap.refused.add(("image", 4, s))  # 3 images' own rung refused, 8 still open
     with torch.inference_mode():
         _close(
             gap.image_soft_tokens(pixels[:3], positions[:3]),
             engine.model.image_soft_tokens(pixels[:3], positions[:3]),
         )
-    assert sorted(k[1] for k in gap.graphs) == [1, 2], "2 + 1, not 3 padded to 4"
+    assert sorted(k[1] for k in gap.graphs) == [1, 2], "2 + 1, not 3 padded to 8"
 
 
 def test_an_eager_chunk_out_of_memory_runs_again_in_halves(engine: Engine) -> None:
@@ -319,11 +319,3 @@ def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: E
     assert not towers.graphs and not towers.refused and towers.deferred == {image}, "passed over"
     towers.capture_startup(70, audio=False)
     assert set(towers.graphs) == {image} and not towers.deferred, "with nothing to follow it fits"
-
-
-def test_a_tower_batch_pads_less_than_a_third_of_its_bucket() -> None:
-    """Every batch size the item ladder holds pads less than a third of its bucket with fully padded
-    items (which cost the tower as much as real ones): powers of two padded up to half."""
-    for n in range(1, ITEM_LADDER[-1] + 1):
-        bucket = rung(ITEM_LADDER, n)
-        assert bucket is not None and 3 * (bucket - n) < bucket, f"{n} items pad to {bucket}"
