@@ -30,10 +30,11 @@ these budgets (BF16's plus what its weights add), where the pool admits larger t
 batch then runs in fewer graph replays, and so unpacks each tower fewer times (a replay unpacks
 every packed layer once). The default-budget pair beside it says what the replays cost.
 `--layer-major` also runs w4 and BF16 at each --budget-mib with the vision tower's attention and MLP
-taken that many images (or frames) at a time inside a bucket (the lab's `_layer_major`): a layer's
-unpacked weights serve every chunk before the next layer's unpack, so a bucket of 8 images unpacks
-the tower once with the attention and MLP intermediates of 2. The pool still sizes its buckets by
-the unchunked estimate, which is why it runs only at the --budget-mib budgets.
+taken that many images (or frames) at a time inside a bucket (the lab's `_layer_major`), the batch
+through one layer before the next: an unpack group serves each of its chunks while it keeps running,
+which an attention's q, k, v and o (one group) do; a vision MLP's gate, up and down are a group each
+(loader.LAYERS_PER_SLOT 1), so they unpack again for every chunk. It needs --budget-mib: a chunked
+bucket holds less than the pool's estimate, so the default budget would admit the same buckets.
 Writes unpack.json into DIR and prints the table. Not a test: it asserts nothing.
 """
 
@@ -233,7 +234,8 @@ def _persistent_kernel() -> Any:
 def _layer_major(items: int) -> None:
     """Run each vision layer's attention and MLP `items` images at a time, the whole batch through one
     layer before the next (lab only): the Unpacker keeps a group's slot for every call of its layers
-    until another group starts, so each group is unpacked once per forward however many chunks run."""
+    until another group starts, so a group whose layers a chunk calls back to back (an attention's)
+    is unpacked once per forward however many chunks run."""
     import torch
 
     from eg2_runtime import vision
@@ -328,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=("tiny", "full"), default="full")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # a variant's spec: run it here
     args = ap.parse_args(argv)
+    if args.layer_major and not args.budget_mib:
+        ap.error("--layer-major runs at the --budget-mib budgets: give one")
     if args.child is not None:
         spec = json.loads(args.child.read_text())
         Path(spec["out"]).write_text(json.dumps(child(spec), indent=1))
@@ -404,12 +408,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(results: dict[str, Any]) -> str:
-    """Forward ms per row and variant, each w4 variant's as a ratio of BF16's (BF16 ms / w4 ms): the
-    first BF16 run at the same --budget-mib, else the first at the default budget."""
+    """Forward ms per row and variant, each as a ratio of BF16's (BF16 ms / this variant's ms; base_of)."""
     variants = {k: v for k, v in results["variants"].items() if "rows" in v}
 
     def base_of(name: str) -> dict[str, Any]:
-        rest = name.split(" #")[0].removeprefix("w4 ")  # "8000 MiB", "8000 MiB lm2", or the default's
+        """The BF16 rows a variant's ratio is against: BF16's own at the same budget and chunking
+        ("w4 8000 MiB lm2" -> "bf16 8000 MiB lm2"), else the first BF16 run at the default budget. A
+        BF16 variant's is the first run of itself: 1.0, or a repeat's spread."""
+        rest = name.split(" #")[0].removeprefix("w4 ").removeprefix("bf16 ")  # "8000 MiB lm2", ...
         same = f"bf16 {rest}" if " MiB" in rest else "bf16"
         return variants.get(same, {}).get("rows", {})
 

@@ -47,10 +47,10 @@ from eg2_runtime.model import EG2Model
 
 log = logging.getLogger(__name__)
 
-# Items a tower bucket holds: the text graphs' rows, powers of two. A finer ladder (1, 2, 3, 4, 6, 8,
-# 12, ...) pads less and ran such batches faster in one engine, but served it captured more graphs on
-# first use and held more of the pool for them, and 16 clients of clips got fewer per second
-# (docs/PERF.md, "Tried and not kept"). benchmarks/probe_ladder.py compares the two.
+# Items a tower bucket holds: the text graphs' rows, powers of two. A batch pads up to the next rung
+# with fully padded items, which cost the tower as much as real ones, so a finer ladder pads less;
+# but each rung a batch uses is one more graph, captured on first use and kept in the pool, which a
+# co-located model would rather have (docs/PERF.md; benchmarks/probe_ladder.py compares the two).
 ITEM_LADDER: tuple[int, ...] = BATCH_LADDER
 FRAME_LADDER = (256, 512, 768, 1024, 1536, 2048, 2560, 3072)  # log-mel frames, 10 ms each: 30 s = 3,001
 FRAMES_PER_TOKEN = 4  # the audio tower halves the time axis twice
