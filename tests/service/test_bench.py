@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from PIL import Image
 
 from app.schemas import parse_request
 from benchmarks import report, server_process
-from benchmarks.http_load import client_processes, request
+from benchmarks.http_load import client_processes, request, sweep
 from benchmarks.process_memory import PeakSampler
 from benchmarks.targets import TARGETS, Target
 from benchmarks.timing import Budget, time_rounds
@@ -670,3 +673,39 @@ def test_listening_port_reads_a_process_listening_socket(families: int) -> None:
                 assert server_process.listening_port(proc.pid) == (ports[-1] if ports else None), ports
             finally:
                 proc.kill()
+
+
+def _embeddings_answered(url: str) -> float:
+    """/metrics' count of 200 answers on the embeddings route."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "eg2_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+        and s.labels.get("route") == "/v1/embeddings"
+        and s.labels.get("status") == "200"
+    )
+
+
+def test_a_sweep_row_drives_its_load_untimed_first() -> None:
+    """With warm-up on, a sweep row runs the same load untimed before the timed window (the batches'
+    first-use graph captures land there, not in the figure) and keeps that window's figures as
+    `cold`: the server answered both windows' requests, and only the timed ones make the row."""
+    port = server_process.free_port()
+    cmd, env = server_process.fake_engine_server(port)
+    url = f"http://127.0.0.1:{port}"
+    budget = Budget(seconds=0.05, warmup=1, min_rounds=2, max_rounds=10, cap_s=1.0)
+    query = Input("text", text="what is the capital of france", tokens=8)
+    spawn = multiprocessing.get_context("spawn")
+    with server_process.running(cmd, env, url), ProcessPoolExecutor(2, mp_context=spawn) as pool:
+        before = _embeddings_answered(url)
+        (row,) = sweep(pool, 2, url, [("text_short", query, 2)], budget, print)
+        answered = _embeddings_answered(url) - before
+    assert not row["error"] and not row["cold"]["error"], row
+    assert row["cold"]["requests"] >= 4 and row["requests"] >= 4, row  # 2 clients, 2 requests each at least
+    assert answered == row["cold"]["requests"] + row["requests"], (answered, row)
+    assert row["cold"]["items_per_s"] > 0 and row["cold"]["p99_ms"] >= row["cold"]["p50_ms"] > 0, row
