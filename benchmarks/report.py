@@ -347,6 +347,7 @@ def markdown(results: dict[str, Any]) -> str:
                     "server queue p50/p99 ms",
                     "server inference p50/p99 ms",
                     "busiest client process CPU",
+                    "untimed window first: req/s, p99 ms",
                 ],
                 rows,
             )
@@ -603,8 +604,10 @@ def _refused(cells: dict[str, Any]) -> list[str]:
 
 def _sweep_cells(row: dict[str, Any]) -> list[str]:
     head = [row["family"], str(row["concurrency"])]
+    cold = row.get("cold")  # the untimed window of the same load before the timed one
+    first = f"{_num(cold['items_per_s'])}, {_num(cold['p99_ms'])}" if cold and not cold.get("error") else "-"
     if row["error"]:
-        return [*head, "failed", *("-",) * 6]
+        return [*head, "failed", *("-",) * 6, first]
     failed = sum(row["failures"].values())
     requests = f"{row['requests']} ({failed} failed: {row['failures']})" if failed else str(row["requests"])
     return [
@@ -616,4 +619,5 @@ def _sweep_cells(row: dict[str, Any]) -> list[str]:
         f"{_num(row['server_queue_p50_ms'])} / {_num(row['server_queue_p99_ms'])}",
         f"{_num(row['server_inference_p50_ms'])} / {_num(row['server_inference_p99_ms'])}",
         f"{row['client_cpu_s'] / row['wall_s']:.0%}",
+        first,
     ]
