@@ -105,6 +105,27 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.cuda_graphs = Gauge(
+            "eg2_cuda_graphs",
+            "CUDA graph buckets, text and towers (zero on CPU): captured = held in the graph pool, each "
+            "captured at start-up or on its first use; refused = the GPU memory budget did not hold it, "
+            "so its batches take smaller buckets or run eagerly; deferred = left to its first use",
+            ["state"],
+            registry=r,
+        )
+        self.cuda_graph_capture_seconds = Gauge(
+            "eg2_cuda_graph_capture_seconds",
+            "Seconds spent capturing CUDA graphs since start; a rise while serving is a batch that "
+            "waited for its bucket's first capture",
+            registry=r,
+        )
+        self.cuda_graph_pool_bytes = Gauge(
+            "eg2_cuda_graph_pool_bytes",
+            "The CUDA graph pool: used = what its captures hold, budget = its share of gpu_memory_mib "
+            "(0: no bound)",
+            ["kind"],
+            registry=r,
+        )
         self.malloc_trim_seconds = Histogram(
             "eg2_malloc_trim_seconds",
             "Time of each trim that gave the idle server's free heap back to the OS (malloc_trim_idle_s)",

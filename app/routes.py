@@ -270,4 +270,5 @@ async def info(service: ServiceDep) -> dict[str, Any]:
         "process": {"gil_switch_interval_ms": round(sys.getswitchinterval() * 1000, 6)},
         "engine": engine.info(),
         "memory": engine.memory(),
+        "graphs": engine.graph_stats(),
     }

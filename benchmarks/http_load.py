@@ -118,6 +118,32 @@ def measure_named(
 _STAGES = ("eg2_preprocess_seconds", "eg2_queue_seconds", "eg2_inference_seconds", "eg2_batch_size")
 
 
+def graph_captures(url: str) -> tuple[float, float] | None:
+    """/metrics' CUDA graph buckets captured so far and the seconds spent capturing them (zeros on a
+    CPU), or None where /metrics did not answer."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    captured = seconds = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "eg2_cuda_graphs" and sample.labels.get("state") == "captured":
+                captured = sample.value
+            elif sample.name == "eg2_cuda_graph_capture_seconds":
+                seconds = sample.value
+    return captured, seconds
+
+
+def _captured_between(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> dict[str, Any]:
+    """The graph captures (count, seconds) a window saw, from graph_captures before and after it."""
+    if before is None or after is None:
+        return {"captures": None, "capture_s": None}
+    return {"captures": int(after[0] - before[0]), "capture_s": round(after[1] - before[1], 4)}
+
+
 def server_stages(metrics_text: str) -> dict[tuple[str, str, str], float]:
     """/metrics' stage histograms: (family, modality, sum|count) -> value."""
     out: dict[tuple[str, str, str], float] = {}
@@ -301,13 +327,17 @@ def sweep(
             # figure measures the ramp-up of c clients rather than the steady state.
             min_requests = max(budget.min_rounds + 1, c * budget.per_client)
             window = SWEEP_SCALE * budget.seconds
+            start = graph_captures(url)
             if budget.warmup:
                 # The same load untimed first: the batch sizes it forms capture their graph buckets
                 # on first use, a stall a long-running server pays once per bucket, not per window.
                 # Its figures stay in the row as `cold`: what the first seconds of such a load see.
                 first = drive(pool, processes, url, req, c, window, min_requests)
-                row["cold"] = {k: first.get(k) for k in COLD_KEYS}
+                warm = graph_captures(url)
+                row["cold"] = {k: first.get(k) for k in COLD_KEYS} | _captured_between(start, warm)
+                start = warm
             row |= drive(pool, processes, url, req, c, window, min_requests)
+            row |= _captured_between(start, graph_captures(url))  # captures inside the timed window
         except Exception as e:
             row |= {"concurrency": c, "error": failure(e)[0]}
         out.append(row)

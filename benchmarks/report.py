@@ -348,6 +348,7 @@ def markdown(results: dict[str, Any]) -> str:
                     "server inference p50/p99 ms",
                     "busiest client process CPU",
                     "untimed window first: req/s, p99 ms",
+                    "graph captures: untimed / timed window",
                 ],
                 rows,
             )
@@ -606,8 +607,13 @@ def _sweep_cells(row: dict[str, Any]) -> list[str]:
     head = [row["family"], str(row["concurrency"])]
     cold = row.get("cold")  # the untimed window of the same load before the timed one
     first = f"{_num(cold['items_per_s'])}, {_num(cold['p99_ms'])}" if cold and not cold.get("error") else "-"
+
+    def captures(r: dict[str, Any] | None) -> str:
+        return "-" if not r or r.get("captures") is None else f"{r['captures']} ({r['capture_s']:.2f} s)"
+
+    seen = f"{captures(cold)} / {captures(row)}"
     if row["error"]:
-        return [*head, "failed", *("-",) * 6, first]
+        return [*head, "failed", *("-",) * 6, first, seen]
     failed = sum(row["failures"].values())
     requests = f"{row['requests']} ({failed} failed: {row['failures']})" if failed else str(row["requests"])
     return [
@@ -620,4 +626,5 @@ def _sweep_cells(row: dict[str, Any]) -> list[str]:
         f"{_num(row['server_inference_p50_ms'])} / {_num(row['server_inference_p99_ms'])}",
         f"{row['client_cpu_s'] / row['wall_s']:.0%}",
         first,
+        seen,
     ]

@@ -115,6 +115,17 @@ class EngineMemory(TypedDict, total=False):
     gpu_reserved_bytes: int
 
 
+class EngineGraphs(TypedDict):
+    """The CUDA graph buckets, text and towers together (all zero where there are none: a CPU)."""
+
+    captured: int  # held in the graph pool, each captured at start-up or on its first use
+    refused: int  # the pool's budget did not hold them: their batches take smaller buckets, or run eagerly
+    deferred: int  # left by the start-up set to their first use
+    capture_seconds: float  # spent capturing since start; a rise while serving is a first use's stall
+    pool_used_bytes: int  # the shared graph pool as it counts itself (its captures, measured)
+    pool_budget_bytes: int  # 0: no bound
+
+
 class PrepareWork(Protocol):
     """One job on the preparing processes (eg2_runtime.prepare_processes.PrepareJob)."""
 
@@ -161,6 +172,7 @@ class EngineAPI(Protocol):
     def capture_graphs(self) -> int: ...
     def info(self) -> dict[str, Any]: ...
     def memory(self) -> EngineMemory: ...
+    def graph_stats(self) -> EngineGraphs: ...
 
 
 def matryoshka(vectors: np.ndarray, dim: int) -> np.ndarray:

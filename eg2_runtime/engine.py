@@ -34,7 +34,15 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 import eg2_runtime
-from eg2_runtime.api import EngineMemory, Estimate, PreparedItem, SegmentStream, Span, TokenCount
+from eg2_runtime.api import (
+    EngineGraphs,
+    EngineMemory,
+    Estimate,
+    PreparedItem,
+    SegmentStream,
+    Span,
+    TokenCount,
+)
 from eg2_runtime.errors import EG2Error, EngineOutOfMemory
 from eg2_runtime.fused import use_fused_kernels
 from eg2_runtime.gpu_memory import ProcessGpuMemory, bound_cublas_workspace, set_cuda_stack_limit
@@ -746,6 +754,22 @@ class Engine:
             out["gpu_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
             out["gpu_budget_bytes"] = self.plan.budget if self.plan is not None else 0
         return out
+
+    def graph_stats(self) -> EngineGraphs:
+        """The graph buckets of the text graphs and the towers, counted together, and their shared pool.
+        A CPU engine's stand-ins for graphs (the padded steps run eagerly) count as none."""
+        sets: list[GraphedTextEncoder | PackedTextGraphs | GraphedTowers] = [
+            g for g in (self.graphs, self.packed, self.towers) if g is not None
+        ]
+        pools = {id(g.pool): g.pool for g in sets}  # one pool, shared (memory_plan.py)
+        return {
+            "captured": sum(g.captured() for g in sets),
+            "refused": sum(len(g.refused) for g in sets),
+            "deferred": sum(len(g.deferred) for g in sets),
+            "capture_seconds": sum(g.capture_seconds for g in sets),
+            "pool_used_bytes": sum(p.used for p in pools.values()),
+            "pool_budget_bytes": sum(p.budget or 0 for p in pools.values()),
+        }
 
     def weights_digest(self) -> str:
         """sha256 of the weight files, computed once (a 0.8 GB file takes a few seconds)."""

@@ -384,6 +384,11 @@ class TextGraphs(Generic[K]):
         self.deferred: set[K] = set()
         self.capture_seconds = 0.0
 
+    def captured(self) -> int:
+        """Buckets held as graphs (not the eager stand-ins a CPU runs). list(): a copy taken in one
+        step, as the engine's thread may capture a bucket while another thread reads this."""
+        return sum(1 for c in list(self.graphs.values()) if c.graph is not None)
+
     def tokens(self, key: K) -> int:
         """The tokens bucket `key` holds."""
         raise NotImplementedError

@@ -106,6 +106,10 @@ class GraphedTowers:
         # On the device: whether a selection given a count found another number used (_select).
         self.miscount: torch.Tensor | None = None
 
+    def captured(self) -> int:
+        """Buckets held as graphs (not the eager stand-ins a CPU runs); as TextGraphs.captured."""
+        return sum(1 for c in list(self.graphs.values()) if c.graph is not None)
+
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Calls inside run eagerly (in chunks of at most `tower_slots` patch slots) and capture

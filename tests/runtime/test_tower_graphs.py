@@ -319,3 +319,37 @@ def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: E
     assert not towers.graphs and not towers.refused and towers.deferred == {image}, "passed over"
     towers.capture_startup(70, audio=False)
     assert set(towers.graphs) == {image} and not towers.deferred, "with nothing to follow it fits"
+
+
+def test_graph_stats_count_the_buckets_and_the_pool(engine: Engine) -> None:
+    """Engine.graph_stats over the real tower graphs: the buckets the pool refused, those the start-up
+    set deferred, the pool's fill and budget; a CPU's eager stand-ins count as no graph."""
+    images = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(5)]
+    _, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
+    s = pixels.shape[1]
+    slot = GRAPH_EXECUTABLE // s + 1
+    budget = 2 * GRAPH_EXECUTABLE + 2 * s * slot  # holds buckets of 1 and 2 images, not 4 or 8
+    towers = GraphedTowers(engine.model, capture=False, pool=GraphPool(budget), slot_bytes=slot, **UNBOUNDED)
+    assert engine.towers is None and engine.graphs is None and engine.packed is None  # a CPU engine
+    empty = engine.graph_stats()
+    assert empty == {
+        "captured": 0,
+        "refused": 0,
+        "deferred": 0,
+        "capture_seconds": 0.0,
+        "pool_used_bytes": 0,
+        "pool_budget_bytes": 0,
+    }
+    engine.towers = towers
+    try:
+        with torch.inference_mode():
+            towers.image_soft_tokens(pixels, positions)
+        towers.deferred.add(("image", 16, s))
+        stats = engine.graph_stats()
+    finally:
+        engine.towers = None
+    assert stats["captured"] == 0, "eager stand-ins (capture=False) are no graphs"
+    assert len(towers.graphs) == 2 and stats["refused"] == len(towers.refused) >= 2, (stats, towers.refused)
+    assert stats["deferred"] == 1
+    assert stats["pool_budget_bytes"] == budget and 0 < stats["pool_used_bytes"] <= budget, stats
+    assert stats["capture_seconds"] == towers.capture_seconds > 0, stats

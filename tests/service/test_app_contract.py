@@ -327,6 +327,7 @@ def test_health_ready_info(client: httpx.Client) -> None:
     assert info["engine"]["weights"]["sha256"] == "0" * 64
     assert info["limits"]["max_request_items"] == 64
     assert info["memory"]["weight_bytes_bf16_equivalent"] == 4000
+    assert info["graphs"]["captured"] == 0 and info["graphs"]["pool_budget_bytes"] == 0  # the fake: a CPU's
 
 
 def test_openapi_documents_the_request(server: LiveServer) -> None:

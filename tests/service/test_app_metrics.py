@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from eg2_runtime.api import EngineMemory
+from eg2_runtime.api import EngineGraphs, EngineMemory
 from tests.support.fake_engine import FakeEngine, image_part, live, make_settings
 
 FAMILIES = {
@@ -32,6 +32,9 @@ FAMILIES = {
     "eg2_malloc_trim_seconds": "histogram",
     "eg2_weight_bytes": "gauge",
     "eg2_gpu_memory_bytes": "gauge",
+    "eg2_cuda_graphs": "gauge",
+    "eg2_cuda_graph_capture_seconds": "gauge",
+    "eg2_cuda_graph_pool_bytes": "gauge",
     "eg2_ready": "gauge",
     "process_resident_memory_bytes": "gauge",
     "process_open_fds": "gauge",
@@ -184,6 +187,46 @@ def test_gpu_memory_gauges_carry_the_engines_report() -> None:
         samples = scrape(s.url)
     for kind, mib in (("process", 1500), ("budget", 2000), ("allocated", 900), ("reserved", 1100)):
         assert value(samples, "eg2_gpu_memory_bytes", kind=kind) == mib << 20, (kind, samples)
+
+
+class GraphReportingEngine(FakeEngine):
+    """The fake engine, reporting graph buckets as Engine.graph_stats() does on a GPU; each call
+    (a scrape) one more first-use capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.captures = 18
+
+    def graph_stats(self) -> EngineGraphs:  # type: ignore[override]
+        self.captures += 1
+        return {
+            "captured": self.captures,
+            "refused": 2,
+            "deferred": 1,
+            "capture_seconds": 0.25 * self.captures,
+            "pool_used_bytes": 300 << 20,
+            "pool_budget_bytes": 474 << 20,
+        }
+
+
+def test_graph_gauges_carry_the_engines_report_at_each_scrape() -> None:
+    """eg2_cuda_graphs{state}, eg2_cuda_graph_capture_seconds and eg2_cuda_graph_pool_bytes{kind}: the
+    engine's graph report, read again at each scrape (a capture between two scrapes shows)."""
+    engine = GraphReportingEngine()
+    with live(make_settings(), engine) as s:
+        first = scrape(s.url)
+        second = scrape(s.url)
+    assert (
+        value(second, "eg2_cuda_graphs", state="captured")
+        == value(first, "eg2_cuda_graphs", state="captured") + 1
+    )
+    assert value(second, "eg2_cuda_graphs", state="refused") == 2
+    assert value(second, "eg2_cuda_graphs", state="deferred") == 1
+    assert value(second, "eg2_cuda_graph_capture_seconds") == 0.25 * value(
+        second, "eg2_cuda_graphs", state="captured"
+    )
+    assert value(second, "eg2_cuda_graph_pool_bytes", kind="used") == 300 << 20
+    assert value(second, "eg2_cuda_graph_pool_bytes", kind="budget") == 474 << 20
 
 
 def test_media_preparing_processes_where_there_are_media_to_prepare() -> None:

@@ -709,3 +709,7 @@ def test_a_sweep_row_drives_its_load_untimed_first() -> None:
     assert row["cold"]["requests"] >= 4 and row["requests"] >= 4, row  # 2 clients, 2 requests each at least
     assert answered == row["cold"]["requests"] + row["requests"], (answered, row)
     assert row["cold"]["items_per_s"] > 0 and row["cold"]["p99_ms"] >= row["cold"]["p50_ms"] > 0, row
+    # Each window's graph captures, read from /metrics around it: the fake engine has none.
+    assert (
+        (row["cold"]["captures"], row["cold"]["capture_s"]) == (row["captures"], row["capture_s"]) == (0, 0.0)
+    )

@@ -31,7 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, w
 from app.server import Server, build_server
 from app.service import State
 from app.settings import Settings
-from eg2_runtime.api import EngineMemory, Estimate, PreparedItem, SegmentStream, Span, TokenCount
+from eg2_runtime.api import (
+    EngineGraphs,
+    EngineMemory,
+    Estimate,
+    PreparedItem,
+    SegmentStream,
+    Span,
+    TokenCount,
+)
 from eg2_runtime.errors import (
     Cancelled,
     EG2Error,
@@ -308,6 +316,16 @@ class FakeEngine:
 
     def memory(self) -> EngineMemory:
         return {"weight_bytes_resident": 1000, "weight_bytes_bf16_equivalent": 4000}
+
+    def graph_stats(self) -> EngineGraphs:  # a CPU engine's: no graphs
+        return {
+            "captured": 0,
+            "refused": 0,
+            "deferred": 0,
+            "capture_seconds": 0.0,
+            "pool_used_bytes": 0,
+            "pool_budget_bytes": 0,
+        }
 
     # --- test helpers --------------------------------------------------------------------------
 
