@@ -8,7 +8,13 @@ collector, read from /proc at scrape time (Linux; elsewhere those families are a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from eg2_runtime.api import EngineGraphs
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -105,27 +111,9 @@ class Metrics:
             ["kind"],
             registry=r,
         )
-        self.cuda_graphs = Gauge(
-            "eg2_cuda_graphs",
-            "CUDA graph buckets, text and towers (zero on CPU): captured = held in the graph pool, each "
-            "captured at start-up or on its first use; refused = the GPU memory budget did not hold it, "
-            "so its batches take smaller buckets or run eagerly; deferred = left to its first use",
-            ["state"],
-            registry=r,
-        )
-        self.cuda_graph_capture_seconds = Gauge(
-            "eg2_cuda_graph_capture_seconds",
-            "Seconds spent capturing CUDA graphs since start; a rise while serving is a batch that "
-            "waited for its bucket's first capture",
-            registry=r,
-        )
-        self.cuda_graph_pool_bytes = Gauge(
-            "eg2_cuda_graph_pool_bytes",
-            "The CUDA graph pool: used = what its captures hold, budget = its share of gpu_memory_mib "
-            "(0: no bound)",
-            ["kind"],
-            registry=r,
-        )
+        # The engine's CUDA graph buckets, one snapshot a scrape (GraphCollector); none while loading.
+        self.graphs = GraphCollector()
+        r.register(self.graphs)
         self.malloc_trim_seconds = Histogram(
             "eg2_malloc_trim_seconds",
             "Time of each trim that gave the idle server's free heap back to the OS (malloc_trim_idle_s)",
@@ -139,3 +127,48 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class GraphCollector(Collector):
+    """The engine's CUDA graph buckets (EngineAPI.graph_stats), read once per scrape so that the
+    families agree with each other. `source` is set once an engine is loaded; until then, and on an
+    engine with no graphs, the families have no samples but the zero counts."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], EngineGraphs] | None = None
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(
+            ()
+        )  # families whose samples appear only once an engine is loaded: not checked at register
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        g = self.source()
+        buckets = GaugeMetricFamily(
+            "eg2_cuda_graph_buckets",
+            "CUDA graph buckets, text and towers (zero on CPU): captured = held in the graph pool, each "
+            "captured at start-up or on its first use; refused = the GPU memory budget did not hold it, "
+            "so its batches take smaller buckets or run eagerly; deferred = left to its first use",
+            labels=["state"],
+        )
+        for state in ("captured", "refused", "deferred"):
+            buckets.add_metric([state], g[state])
+        yield buckets
+        yield CounterMetricFamily(
+            "eg2_cuda_graph_capture_seconds",
+            "Seconds spent capturing CUDA graphs (refused trials included) since start; a rise while "
+            "serving is a batch that waited for a bucket's first capture",
+            value=g["capture_seconds"],
+        )
+        pool = GaugeMetricFamily(
+            "eg2_cuda_graph_pool_bytes",
+            "The CUDA graph pool: used = what its captures hold; budget = its share of gpu_memory_mib "
+            "(absent where unbounded)",
+            labels=["kind"],
+        )
+        pool.add_metric(["used"], g["pool_used_bytes"])
+        if g["pool_budget_bytes"]:
+            pool.add_metric(["budget"], g["pool_budget_bytes"])
+        yield pool

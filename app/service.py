@@ -245,6 +245,7 @@ class Service:
             if s.cuda_graphs_at_start:
                 await self._batcher.on_gpu_thread(self._engine.capture_graphs)
             self._publish_memory()
+            self.metrics.graphs.source = self._engine.graph_stats  # read at each scrape from here on
             log.info("GPU memory after warm-up", extra={"memory": self._engine.memory()})
         except (StartupError, EG2Error) as exc:
             self._fail(getattr(exc, "message", None) or str(exc))
@@ -401,20 +402,9 @@ class Service:
             if isinstance(value, int):
                 self.metrics.gpu_memory_bytes.labels(kind).set(value)
 
-    def _publish_graphs(self) -> None:
-        if self._engine is None:
-            return
-        graphs = self._engine.graph_stats()
-        for state in ("captured", "refused", "deferred"):
-            self.metrics.cuda_graphs.labels(state).set(graphs[state])
-        self.metrics.cuda_graph_capture_seconds.set(graphs["capture_seconds"])
-        self.metrics.cuda_graph_pool_bytes.labels("used").set(graphs["pool_used_bytes"])
-        self.metrics.cuda_graph_pool_bytes.labels("budget").set(graphs["pool_budget_bytes"])
-
     def refresh_metrics(self) -> None:
         """Gauges read at scrape time."""
         if self.state is not State.LOADING:
             self._publish_memory()
-            self._publish_graphs()
         if self._batcher is not None:
             self.metrics.gpu_busy_seconds.set(self._batcher.stalled_for())

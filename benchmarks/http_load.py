@@ -119,20 +119,23 @@ _STAGES = ("eg2_preprocess_seconds", "eg2_queue_seconds", "eg2_inference_seconds
 
 
 def graph_captures(url: str) -> tuple[float, float] | None:
-    """/metrics' CUDA graph buckets captured so far and the seconds spent capturing them (zeros on a
-    CPU), or None where /metrics did not answer."""
+    """/metrics' CUDA graph buckets captured so far and the seconds spent capturing (zeros on a CPU),
+    or None where /metrics did not answer them (refused, unreadable, or a server without them)."""
     try:
-        text = httpx.get(f"{url}/metrics", timeout=30).text
-    except httpx.HTTPError:
+        r = httpx.get(f"{url}/metrics", timeout=30)
+        if r.status_code != 200:
+            return None
+        families = list(text_string_to_metric_families(r.text))
+    except (httpx.HTTPError, ValueError):
         return None
-    captured = seconds = 0.0
-    for family in text_string_to_metric_families(text):
+    captured = seconds = None
+    for family in families:
         for sample in family.samples:
-            if sample.name == "eg2_cuda_graphs" and sample.labels.get("state") == "captured":
+            if sample.name == "eg2_cuda_graph_buckets" and sample.labels.get("state") == "captured":
                 captured = sample.value
-            elif sample.name == "eg2_cuda_graph_capture_seconds":
+            elif sample.name == "eg2_cuda_graph_capture_seconds_total":
                 seconds = sample.value
-    return captured, seconds
+    return None if captured is None or seconds is None else (captured, seconds)
 
 
 def _captured_between(

@@ -757,7 +757,8 @@ class Engine:
 
     def graph_stats(self) -> EngineGraphs:
         """The graph buckets of the text graphs and the towers, counted together, and their shared pool.
-        A CPU engine's stand-ins for graphs (the padded steps run eagerly) count as none."""
+        Stand-ins for graphs (capture off: the padded steps run eagerly; tests) count as no bucket
+        captured, though their admission adds to the pool and the seconds as a capture would."""
         sets: list[GraphedTextEncoder | PackedTextGraphs | GraphedTowers] = [
             g for g in (self.graphs, self.packed, self.towers) if g is not None
         ]

@@ -419,7 +419,10 @@ class TextGraphs(Generic[K]):
         its first use where only the room for `then` captures to follow refused it."""
         t0 = time.perf_counter()
         estimate = self.token_bytes * self.tokens(key)
-        got = self.pool.capture(step, inputs, estimate, run=self.capture, then=then)
+        try:
+            got = self.pool.capture(step, inputs, estimate, run=self.capture, then=then)
+        finally:  # a trial the pool then refused took its time too: a batch waited for it
+            self.capture_seconds += time.perf_counter() - t0
         self.deferred.discard(key)
         if got is None:
             if self.pool.deferrable:  # only the start-up set's room refused it: first use tries again
@@ -431,7 +434,6 @@ class TextGraphs(Generic[K]):
             return None
         graph, _, out = got
         self.graphs[key] = Captured(graph, out)
-        self.capture_seconds += time.perf_counter() - t0
         log.debug("captured text graph %s in %.0f ms", key, 1e3 * (time.perf_counter() - t0))
         return self.graphs[key]
 

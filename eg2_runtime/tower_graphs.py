@@ -340,7 +340,10 @@ class GraphedTowers:
         )
         t0 = time.perf_counter()
         around = self.unpacker.capturing if self.unpacker is not None else contextlib.nullcontext
-        got = self.pool.capture(step, buffers, estimate, around, run=self.capture, then=then, kind=kind)
+        try:
+            got = self.pool.capture(step, buffers, estimate, around, run=self.capture, then=then, kind=kind)
+        finally:  # a trial the pool then refused took its time too: a batch waited for it
+            self.capture_seconds += time.perf_counter() - t0
         self.deferred.discard(key)
         if got is None:
             if self.pool.deferrable:
@@ -352,7 +355,6 @@ class GraphedTowers:
             return None
         graph, inputs, outputs = got
         self.graphs[key] = _Captured(graph, tuple(inputs), fills, outputs)
-        self.capture_seconds += time.perf_counter() - t0
         log.info("captured %s tower graph %s in %.0f ms", key[0], key[1:], 1e3 * (time.perf_counter() - t0))
         return self.graphs[key]
 

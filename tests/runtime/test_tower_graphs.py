@@ -18,6 +18,7 @@ from eg2_runtime.engine import Engine, EngineOptions
 from eg2_runtime.graphs import GraphPool
 from eg2_runtime.inputs import Item, MediaPart, PrepareOptions, TextPart
 from eg2_runtime.memory_plan import GRAPH_EXECUTABLE
+from eg2_runtime.packed_graphs import PackedTextGraphs
 from eg2_runtime.tower_graphs import FRAME_LADDER, GraphedTowers, _chunked
 
 TOL = 1e-5  # FP32: padding must not move a real item's soft tokens beyond float rounding
@@ -322,17 +323,19 @@ def test_start_up_captures_count_by_kind_and_defer_what_leaves_no_room(engine: E
 
 
 def test_graph_stats_count_the_buckets_and_the_pool(engine: Engine) -> None:
-    """Engine.graph_stats over the real tower graphs: the buckets the pool refused, those the start-up
-    set deferred, the pool's fill and budget; a CPU's eager stand-ins count as no graph."""
+    """Engine.graph_stats over real text and tower graph sets on one pool: the buckets the pool refused,
+    those deferred (a deferred bucket later taken leaves the count), the pool counted once with its
+    budget; stand-ins (capture off) count as no bucket captured."""
     images = [Item((MediaPart("image", samples.png(64 + 16 * i, 48, i)),)) for i in range(5)]
     _, (pixels, positions) = _towers_and(engine, images, "pixel_values", "image_position_ids")
     s = pixels.shape[1]
     slot = GRAPH_EXECUTABLE // s + 1
     budget = 2 * GRAPH_EXECUTABLE + 2 * s * slot  # holds buckets of 1 and 2 images, not 4 or 8
-    towers = GraphedTowers(engine.model, capture=False, pool=GraphPool(budget), slot_bytes=slot, **UNBOUNDED)
+    pool = GraphPool(budget)
+    towers = GraphedTowers(engine.model, capture=False, pool=pool, slot_bytes=slot, **UNBOUNDED)
+    text = PackedTextGraphs(engine.model.language_model, 256, pool=pool, token_bytes=1)
     assert engine.towers is None and engine.graphs is None and engine.packed is None  # a CPU engine
-    empty = engine.graph_stats()
-    assert empty == {
+    assert engine.graph_stats() == {
         "captured": 0,
         "refused": 0,
         "deferred": 0,
@@ -340,16 +343,18 @@ def test_graph_stats_count_the_buckets_and_the_pool(engine: Engine) -> None:
         "pool_used_bytes": 0,
         "pool_budget_bytes": 0,
     }
-    engine.towers = towers
+    engine.towers, engine.packed = towers, text
     try:
+        towers.deferred |= {("image", 1, s), ("image", 16, s)}  # left to first use by a start-up set
         with torch.inference_mode():
-            towers.image_soft_tokens(pixels, positions)
-        towers.deferred.add(("image", 16, s))
+            towers.image_soft_tokens(pixels, positions)  # 2 + 2 + 1: the bucket of 1 is taken now
+        text.deferred.add(64)
         stats = engine.graph_stats()
     finally:
-        engine.towers = None
-    assert stats["captured"] == 0, "eager stand-ins (capture=False) are no graphs"
+        engine.towers = engine.packed = None
+    assert stats["captured"] == 0, "stand-ins (capture off) are no graphs"
     assert len(towers.graphs) == 2 and stats["refused"] == len(towers.refused) >= 2, (stats, towers.refused)
-    assert stats["deferred"] == 1
-    assert stats["pool_budget_bytes"] == budget and 0 < stats["pool_used_bytes"] <= budget, stats
-    assert stats["capture_seconds"] == towers.capture_seconds > 0, stats
+    assert stats["deferred"] == 2, "the 16-image bucket and the text one; the bucket of 1 was taken"
+    assert stats["pool_budget_bytes"] == budget, "one pool, shared: counted once"
+    assert stats["pool_used_bytes"] == pool.used > 0, stats
+    assert stats["capture_seconds"] == towers.capture_seconds + text.capture_seconds > 0, stats

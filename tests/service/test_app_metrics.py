@@ -32,8 +32,8 @@ FAMILIES = {
     "eg2_malloc_trim_seconds": "histogram",
     "eg2_weight_bytes": "gauge",
     "eg2_gpu_memory_bytes": "gauge",
-    "eg2_cuda_graphs": "gauge",
-    "eg2_cuda_graph_capture_seconds": "gauge",
+    "eg2_cuda_graph_buckets": "gauge",
+    "eg2_cuda_graph_capture_seconds": "counter",
     "eg2_cuda_graph_pool_bytes": "gauge",
     "eg2_ready": "gauge",
     "process_resident_memory_bytes": "gauge",
@@ -196,6 +196,7 @@ class GraphReportingEngine(FakeEngine):
     def __init__(self) -> None:
         super().__init__()
         self.captures = 18
+        self.budget = 474 << 20
 
     def graph_stats(self) -> EngineGraphs:  # type: ignore[override]
         self.captures += 1
@@ -205,28 +206,29 @@ class GraphReportingEngine(FakeEngine):
             "deferred": 1,
             "capture_seconds": 0.25 * self.captures,
             "pool_used_bytes": 300 << 20,
-            "pool_budget_bytes": 474 << 20,
+            "pool_budget_bytes": self.budget,
         }
 
 
-def test_graph_gauges_carry_the_engines_report_at_each_scrape() -> None:
-    """eg2_cuda_graphs{state}, eg2_cuda_graph_capture_seconds and eg2_cuda_graph_pool_bytes{kind}: the
-    engine's graph report, read again at each scrape (a capture between two scrapes shows)."""
+def test_graph_families_carry_the_engines_report_at_each_scrape() -> None:
+    """eg2_cuda_graph_buckets{state}, eg2_cuda_graph_capture_seconds_total and
+    eg2_cuda_graph_pool_bytes{kind}: one report of the engine's read at each scrape (a capture between
+    two scrapes shows), the pool's budget left out where it has none."""
     engine = GraphReportingEngine()
     with live(make_settings(), engine) as s:
         first = scrape(s.url)
         second = scrape(s.url)
-    assert (
-        value(second, "eg2_cuda_graphs", state="captured")
-        == value(first, "eg2_cuda_graphs", state="captured") + 1
-    )
-    assert value(second, "eg2_cuda_graphs", state="refused") == 2
-    assert value(second, "eg2_cuda_graphs", state="deferred") == 1
-    assert value(second, "eg2_cuda_graph_capture_seconds") == 0.25 * value(
-        second, "eg2_cuda_graphs", state="captured"
-    )
+        engine.budget = 0
+        unbounded = scrape(s.url)
+    captured = value(second, "eg2_cuda_graph_buckets", state="captured")
+    assert captured == value(first, "eg2_cuda_graph_buckets", state="captured") + 1
+    assert value(second, "eg2_cuda_graph_buckets", state="refused") == 2
+    assert value(second, "eg2_cuda_graph_buckets", state="deferred") == 1
+    assert value(second, "eg2_cuda_graph_capture_seconds_total") == 0.25 * captured  # the same report's
     assert value(second, "eg2_cuda_graph_pool_bytes", kind="used") == 300 << 20
     assert value(second, "eg2_cuda_graph_pool_bytes", kind="budget") == 474 << 20
+    assert ("eg2_cuda_graph_pool_bytes", (("kind", "budget"),)) not in unbounded
+    assert value(unbounded, "eg2_cuda_graph_pool_bytes", kind="used") == 300 << 20
 
 
 def test_media_preparing_processes_where_there_are_media_to_prepare() -> None:

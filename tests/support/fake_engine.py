@@ -118,6 +118,10 @@ class FakeEngine:
         self.prepare_jobs: list[list[str]] = []  # modality of each item, per prepare_many call
         self.prepare_threads: list[int] = []  # the thread of each prepare_many call
         self.warmups = 0
+        # capture_new_sizes: report a CUDA graph capture for each batch size first seen, as a GPU
+        # engine's first-use captures would (graph_stats); 0.1 s each.
+        self.capture_new_sizes = False
+        self.sizes_seen: set[int] = set()
 
     # --- switches ------------------------------------------------------------------------------
 
@@ -276,6 +280,8 @@ class FakeEngine:
     def embed(self, batch: Sequence[PreparedItem]) -> np.ndarray:
         with self._lock:
             self.embed_threads.add(threading.get_ident())
+            if self.capture_new_sizes and batch and batch[0].inputs[1] != "warm-up":
+                self.sizes_seen.add(len(batch))
             if self.record:
                 self.batches.append(list(batch))
         self._running.wait(timeout=120)
@@ -317,12 +323,13 @@ class FakeEngine:
     def memory(self) -> EngineMemory:
         return {"weight_bytes_resident": 1000, "weight_bytes_bf16_equivalent": 4000}
 
-    def graph_stats(self) -> EngineGraphs:  # a CPU engine's: no graphs
+    def graph_stats(self) -> EngineGraphs:  # a CPU engine's (no graphs), unless capture_new_sizes
+        captured = len(self.sizes_seen)
         return {
-            "captured": 0,
+            "captured": captured,
             "refused": 0,
             "deferred": 0,
-            "capture_seconds": 0.0,
+            "capture_seconds": 0.1 * captured,
             "pool_used_bytes": 0,
             "pool_budget_bytes": 0,
         }
@@ -488,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--nofile", type=int, help="file-descriptor limit (soft and hard) of the server process"
     )
     parser.add_argument(
+        "--capture-new-sizes", action="store_true", help="report a graph capture per batch size first seen"
+    )
+    parser.add_argument(
         "--load-torch-busy",
         type=float,
         default=0.0,
@@ -501,6 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings()
     setup_logging(settings.log_level, settings.log_json)
     engine = FakeEngine(embed_delay_s=args.embed_delay, torch_busy_s=args.torch_busy, record=False)
+    engine.capture_new_sizes = args.capture_new_sizes
     if args.load_torch_busy:
         import app.service
 
