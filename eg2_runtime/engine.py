@@ -767,7 +767,7 @@ class Engine:
             "captured": sum(g.captured() for g in sets),
             "refused": sum(len(g.refused) for g in sets),
             "deferred": sum(len(g.deferred) for g in sets),
-            "capture_seconds": sum(g.capture_seconds for g in sets),
+            "capture_seconds": sum((g.capture_seconds for g in sets), 0.0),
             "pool_used_bytes": sum(p.used for p in pools.values()),
             "pool_budget_bytes": sum(p.budget or 0 for p in pools.values()),
         }
