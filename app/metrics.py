@@ -138,9 +138,8 @@ class GraphCollector(Collector):
         self.source: Callable[[], EngineGraphs] | None = None
 
     def describe(self) -> Iterator[Metric]:
-        return iter(
-            ()
-        )  # families whose samples appear only once an engine is loaded: not checked at register
+        # None: the families appear once an engine is loaded, so registering checks no names here.
+        return iter(())
 
     def collect(self) -> Iterator[Metric]:
         if self.source is None:

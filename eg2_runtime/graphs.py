@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -356,6 +356,13 @@ class Captured:
     out: torch.Tensor | None  # (rows, D) fp32, the graph's static output
 
 
+def held_graphs(captures: Mapping[Any, Any]) -> int:
+    """How many of a graph set's captures (`.graph`) hold a graph, not the eager stand-in of a step
+    with capture off. list(): a copy taken in one step, as the engine's thread may capture a bucket
+    while another thread counts."""
+    return sum(1 for c in list(captures.values()) if c.graph is not None)
+
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -385,9 +392,8 @@ class TextGraphs(Generic[K]):
         self.capture_seconds = 0.0
 
     def captured(self) -> int:
-        """Buckets held as graphs (not the eager stand-ins a CPU runs). list(): a copy taken in one
-        step, as the engine's thread may capture a bucket while another thread reads this."""
-        return sum(1 for c in list(self.graphs.values()) if c.graph is not None)
+        """Buckets held as graphs (held_graphs)."""
+        return held_graphs(self.graphs)
 
     def tokens(self, key: K) -> int:
         """The tokens bucket `key` holds."""

@@ -42,7 +42,7 @@ from functools import partial
 
 import torch
 
-from eg2_runtime.graphs import BATCH_LADDER, GraphPool, rung
+from eg2_runtime.graphs import BATCH_LADDER, GraphPool, held_graphs, rung
 from eg2_runtime.model import EG2Model
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,8 @@ class GraphedTowers:
         self.miscount: torch.Tensor | None = None
 
     def captured(self) -> int:
-        """Buckets held as graphs (not the eager stand-ins a CPU runs); as TextGraphs.captured."""
-        return sum(1 for c in list(self.graphs.values()) if c.graph is not None)
+        """Buckets held as graphs (graphs.held_graphs)."""
+        return held_graphs(self.graphs)
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
